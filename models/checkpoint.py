@@ -1,0 +1,214 @@
+"""One on-disk format for every drafter.
+
+A drafter checkpoint is a directory:
+    config.json            {"drafter_type", "draftsmith_version", "base_model_name_or_path", ...type-specific keys}
+    drafter.safetensors    the drafter's weights (safetensors only: no pickle)
+    tokenizer files        when a tokenizer was given
+    README.md              model card (base model, method, data, steps, metrics, command)
+
+Writes are atomic at the checkpoint level: files are written to a temporary sibling directory and moved in with
+config.json last; config.json is absent while files are swapped, so a reader never loads a torn checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from models.medusa import MedusaConfig, MedusaHeads
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "drafter.safetensors"
+HEAD_FORMATS = {False: "per_head_lm_head", True: "shared_lm_head"}
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint is missing, torn, or malformed."""
+
+
+class DrafterMismatchError(ValueError):
+    """A drafter checkpoint does not fit the base model it is loaded with."""
+
+
+@dataclass(frozen=True)
+class LoadedDrafter:
+    config: dict[str, Any]
+    heads: MedusaHeads
+
+
+def draftsmith_version() -> str:
+    try:
+        return metadata.version("draftsmith")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+local"
+
+
+def medusa_config_dict(config: MedusaConfig) -> dict[str, Any]:
+    return {
+        "drafter_type": "medusa",
+        "num_heads": config.num_heads,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "head_format": HEAD_FORMATS[config.share_lm_head],
+    }
+
+
+def save_drafter(
+    output_dir: str | os.PathLike,
+    heads: MedusaHeads,
+    base_model_name_or_path: str,
+    tokenizer: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `heads` as a draftsmith checkpoint at `output_dir`, atomically. `extra` lands in config.json under
+    "training" and feeds the model card. Returns the checkpoint path."""
+    output_dir = Path(output_dir)
+    config = {
+        **medusa_config_dict(heads.config),
+        "base_model_name_or_path": base_model_name_or_path,
+        "draftsmith_version": draftsmith_version(),
+    }
+    if extra:
+        config["training"] = extra
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in heads.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "drafter_type": "medusa"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "README.md").write_text(model_card(config))
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    atomic_write_dir(output_dir, write)
+    return output_dir
+
+
+def atomic_write_dir(target: Path, write) -> None:
+    """Call write(tmp_dir) on a fresh temporary sibling of `target`, then move its files into `target`.
+
+    config.json is the completion marker: it is removed from `target` before any file is replaced and moved in
+    last, so a reader that finds it finds a complete checkpoint. Other files already in `target` (Hydra logs,
+    trainer checkpoints) are left alone.
+    """
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        files = sorted(tmp.iterdir(), key=lambda p: p.name == CONFIG_NAME)  # config.json last
+        for path in files:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        (target / CONFIG_NAME).unlink(missing_ok=True)
+        for path in files:
+            os.replace(path, target / path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    config_file = path / CONFIG_NAME
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: drafter checkpoint directory not found")
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing; {path} is not a complete draftsmith checkpoint")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict) or "drafter_type" not in config:
+        raise CheckpointError(f"{config_file}: no 'drafter_type' key; not a draftsmith checkpoint")
+    return config
+
+
+def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedDrafter:
+    """Read a draftsmith checkpoint written by `save_drafter`."""
+    path = Path(path)
+    config = read_drafter_config(path)
+    if config["drafter_type"] != "medusa":
+        raise CheckpointError(f"{path / CONFIG_NAME}: drafter_type {config['drafter_type']!r} has no weights loader")
+    try:
+        medusa_config = MedusaConfig(
+            num_heads=int(config["num_heads"]),
+            num_layers=int(config["num_layers"]),
+            hidden_size=int(config["hidden_size"]),
+            vocab_size=int(config["vocab_size"]),
+            share_lm_head=config.get("head_format", HEAD_FORMATS[False]) == HEAD_FORMATS[True],
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{path / CONFIG_NAME}: missing key {e.args[0]!r}") from None
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights}: unreadable safetensors ({e})") from None
+    heads = MedusaHeads(medusa_config)
+    try:
+        heads.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{weights}: weights do not match {CONFIG_NAME} ({first})") from None
+    heads.to(device=device, dtype=dtype)
+    heads.eval().requires_grad_(False)
+    return LoadedDrafter(config=config, heads=heads)
+
+
+def check_compatible(drafter_config: dict[str, Any], base_config: Any) -> None:
+    """Raise DrafterMismatchError when the drafter was trained for another base (hidden size or vocab)."""
+    base_hidden = getattr(base_config, "hidden_size", None)
+    base_vocab = getattr(base_config, "vocab_size", None)
+    base_name = getattr(base_config, "_name_or_path", "the base model")
+    for key, base_value in (("hidden_size", base_hidden), ("vocab_size", base_vocab)):
+        if key in drafter_config and base_value is not None and int(drafter_config[key]) != int(base_value):
+            raise DrafterMismatchError(
+                f"drafter {key}={drafter_config[key]} does not match {base_name} {key}={base_value}; "
+                f"the heads were trained for {drafter_config.get('base_model_name_or_path', 'another model')}"
+            )
+
+
+def model_card(config: dict[str, Any]) -> str:
+    training = config.get("training", {})
+    lines = [
+        f"# {config['drafter_type']} drafter for {config['base_model_name_or_path']}",
+        "",
+        f"Trained with [draftsmith](https://github.com/draftsmith/draftsmith) {config['draftsmith_version']}.",
+        "",
+        "| field | value |",
+        "| --- | --- |",
+    ]
+    for key in ("base_model_name_or_path", "drafter_type", "num_heads", "num_layers", "head_format"):
+        if key in config:
+            lines.append(f"| {key} | {config[key]} |")
+    for key in ("method", "data", "global_step"):
+        if key in training:
+            lines.append(f"| {key} | {training[key]} |")
+    metrics = training.get("metrics", {})
+    if metrics:
+        lines += ["", "## Evaluation", "", "| metric | value |", "| --- | --- |"]
+        lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in sorted(metrics.items())]
+    if "command" in training:
+        lines += ["", "## Reproduce", "", "```bash", training["command"], "```"]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from inference import load",
+        f"engine = load('<this directory>')",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Medusa heads (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads").
+
+Dimension letters: B batch, T time, K heads, D hidden, V vocab.
+
+Offset convention (the only place it is stated): the base model's lm_head at position t predicts token t+1;
+Medusa head k (1-based) at position t predicts token t+k+1. `head_targets` turns this into tensor shifts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    share_lm_head: bool = False  # "Medusa v2" layout: every head reuses the frozen base lm_head
+
+    def __post_init__(self) -> None:
+        for key in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
+            if getattr(self, key) < (0 if key == "num_layers" else 1):
+                raise ValueError(f"MedusaConfig.{key} must be positive, got {getattr(self, key)}")
+
+
+class ResBlock(nn.Module):
+    """h + SiLU(W h + b). W starts at zero so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.silu(self.linear(h))
+
+
+class MedusaHead(nn.Module):
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        # A comprehension, not `[ResBlock(d)] * n`: every block owns its weights.
+        self.blocks = nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+        self.lm_head = None if config.share_lm_head else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MedusaHeads(nn.Module):
+    """K heads over the base model's final (post-norm) hidden states."""
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList([MedusaHead(config) for _ in range(config.num_heads)])
+
+    @torch.no_grad()
+    def init_from_base(self, base_lm_head: nn.Module) -> None:
+        """Copy the base lm_head into every head's projection, so each head starts as the base prediction."""
+        weight = base_lm_head.weight
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"base lm_head has shape {tuple(weight.shape)}, heads expect "
+                f"(vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size})"
+            )
+        for head in self.heads:
+            if head.lm_head is not None:
+                head.lm_head.weight.copy_(weight.to(head.lm_head.weight.dtype))
+
+    def head_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> [K, ..., D]: each head's residual blocks, before the vocab projection."""
+        return torch.stack([head.blocks(hidden) for head in self.heads])
+
+    def project(self, head_hidden: torch.Tensor, base_lm_head: nn.Module | None = None) -> torch.Tensor:
+        """[K, ..., D] -> [K, ..., V]."""
+        if self.config.share_lm_head:
+            if base_lm_head is None:
+                raise ValueError("these heads share the base lm_head (share_lm_head=True); pass base_lm_head")
+            return base_lm_head(head_hidden)
+        return torch.stack([head.lm_head(h) for head, h in zip(self.heads, head_hidden)])
+
+    def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden [B, T, D] -> logits [K, B, T, V]."""
+        return self.project(self.head_hidden(hidden), base_lm_head)
+
+    def head_logits(self, k: int, hidden: torch.Tensor, base_lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Logits of head k (0-based index into `heads`): [..., D] -> [..., V]. Lets training free one head's logits
+        before computing the next."""
+        head = self.heads[k]
+        h = head.blocks(hidden)
+        if head.lm_head is None:
+            if base_lm_head is None:
+                raise ValueError("these heads share the base lm_head (share_lm_head=True); pass base_lm_head")
+            return base_lm_head(h)
+        return head.lm_head(h)
+
+
+def head_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Targets aligned with head k (1-based) logits.
+
+    labels [B, T] are unshifted token ids (-100 where not trained), as in HF causal-LM labels. Head k at position t
+    predicts token t+k+1, so the returned [B, T] tensor holds labels[:, t+k+1] and -100 for the last k+1 positions.
+    """
+    shift = k + 1
+    out = torch.full_like(labels, -100)
+    if shift < labels.shape[1]:
+        out[:, :-shift] = labels[:, shift:]
+    return out

@@ -1,0 +1,81 @@
+"""Medusa heads: init equals the base prediction, blocks are distinct, the weighted loss equals a naive loop."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.medusa import MedusaConfig, MedusaHeads, head_targets
+from train.medusa1 import medusa_loss
+
+D, V = 16, 37
+
+
+def make_heads(num_heads=3, num_layers=2, share=False, seed=0) -> tuple[MedusaHeads, nn.Linear]:
+    torch.manual_seed(seed)
+    base = nn.Linear(D, V, bias=False)
+    heads = MedusaHeads(MedusaConfig(num_heads, num_layers, D, V, share_lm_head=share))
+    if not share:
+        heads.init_from_base(base)
+    return heads, base
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_heads_equal_base_prediction_at_init(share):
+    heads, base = make_heads(share=share)
+    hidden = torch.randn(2, 5, D)
+    logits = heads(hidden, base if share else None)  # [K, B, T, V]
+    assert logits.shape == (3, 2, 5, V)
+    for k in range(3):
+        torch.testing.assert_close(logits[k], base(hidden))
+
+
+def test_blocks_and_heads_are_distinct_modules():
+    heads, _ = make_heads(num_heads=3, num_layers=2)
+    params = [p for p in heads.parameters()]
+    assert len({id(p) for p in params}) == len(params)
+    blocks = [b for h in heads.heads for b in h.blocks]
+    assert len({id(b) for b in blocks}) == 6
+    with torch.no_grad():
+        heads.heads[0].blocks[0].linear.weight.add_(1.0)
+    assert heads.heads[1].blocks[0].linear.weight.abs().sum() == 0
+    assert heads.heads[0].blocks[1].linear.weight.abs().sum() == 0
+
+
+def test_head_targets_offsets():
+    labels = torch.tensor([[10, 11, 12, 13, 14]])
+    # head k at position t predicts token t+k+1
+    assert head_targets(labels, 1).tolist() == [[12, 13, 14, -100, -100]]
+    assert head_targets(labels, 3).tolist() == [[14, -100, -100, -100, -100]]
+    assert head_targets(labels, 5).tolist() == [[-100] * 5]
+
+
+@pytest.mark.parametrize("decay", [0.8, 1.0])
+def test_weighted_loss_equals_naive_per_head_loop(decay):
+    heads, _ = make_heads(num_heads=3, num_layers=1, seed=1)
+    for p in heads.parameters():  # move away from the identity init so heads differ
+        nn.init.normal_(p, std=0.3)
+    B, T = 3, 9
+    hidden = torch.randn(B, T, D)
+    labels = torch.randint(0, V, (B, T))
+    labels[0, :4] = -100  # prompt
+    labels[2, 6:] = -100  # padding
+    out = medusa_loss(heads, hidden, labels, decay)
+
+    naive = torch.zeros(())
+    for k in range(1, 4):
+        logits = heads.head_logits(k - 1, hidden)  # [B, T, V]
+        total, count = torch.zeros(()), 0
+        for b in range(B):
+            for t in range(T):
+                if t + k + 1 < T and labels[b, t + k + 1] != -100:
+                    total = total + F.cross_entropy(logits[b, t][None], labels[b, t + k + 1][None], reduction="sum")
+                    count += 1
+        naive = naive + decay**k * total / count
+    torch.testing.assert_close(out.loss, naive)
+
+    grads = torch.autograd.grad(out.loss, list(heads.parameters()))
+    naive_grads = torch.autograd.grad(naive, list(heads.parameters()))
+    for g, n in zip(grads, naive_grads):
+        torch.testing.assert_close(g, n)
+    assert set(out.metrics) >= {"head1_top1", "head1_top5", "head3_loss"}
