@@ -1,0 +1,149 @@
+"""Medusa-1 training cost, measured in one run.
+
+1. Throughput: tokens/s of a medusa1 training step (frozen backbone forward + heads forward/backward + AdamW)
+   divided by tokens/s of the frozen backbone's forward alone (the floor), on the same batches, alternating.
+2. Memory: peak resident memory of a medusa1 step with an NF4 backbone divided by the same with bf16, on a random
+   Llama large enough for weights to dominate (each run in its own subprocess; peak measured above the
+   post-import baseline).
+
+    python scripts/bench_medusa1_train.py [--model builtin:tiny] [--heads 3] [--batch 8] [--seq 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.loading import load_target  # noqa: E402
+from train.config import Medusa1Config  # noqa: E402
+
+
+def medusa_method(num_heads: int, share_lm_head: bool = False):
+    from train.medusa1 import Method
+
+    cfg = OmegaConf.create({"method": OmegaConf.structured(Medusa1Config(num_heads=num_heads, share_lm_head=share_lm_head))})
+    return Method(cfg)
+
+
+def batches(vocab: int, n: int, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return out
+
+
+def throughput(args) -> dict[str, float]:
+    target = load_target(args.model, dtype=args.dtype)
+    method = medusa_method(args.heads)
+    module = method.build(target, None)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    data = batches(target.config.vocab_size, args.steps, args.batch, args.seq)
+
+    def train_step(b):
+        out = method.forward_loss(module, b)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def forward_step(b):
+        target(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+
+    for fn in (train_step, forward_step):  # warm-up
+        fn(data[0])
+    times = {"train": 0.0, "forward": 0.0}
+    for _ in range(args.rounds):  # alternate so background load hits both alike
+        for name, fn in (("train", train_step), ("forward", forward_step)):
+            t0 = time.perf_counter()
+            for b in data:
+                fn(b)
+            times[name] += time.perf_counter() - t0
+    tokens = args.rounds * args.steps * args.batch * args.seq
+    return {"train_tok_s": tokens / times["train"], "forward_tok_s": tokens / times["forward"]}
+
+
+def peak_memory_child(path: str, quantization: str, heads: int) -> None:
+    """Runs in a subprocess: print the peak RSS (MiB) of load + 3 medusa1 steps above the post-import baseline."""
+
+    def rss(field: str) -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError(field)
+
+    import train.medusa1  # noqa: F401  (imports before the baseline)
+
+    baseline = rss("VmRSS")
+    target = load_target(path, dtype="bf16", quantization=None if quantization == "bf16" else "nf4")
+    method = medusa_method(heads, share_lm_head=True)
+    module = method.build(target, None)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak: measure training, not the one-off load
+    for b in batches(target.config.vocab_size, 3, 2, 128):
+        method.forward_loss(module, b).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print(json.dumps({"peak_mib": rss("VmHWM") - baseline}))
+
+
+def memory(args) -> dict[str, float]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=args.mem_hidden, intermediate_size=args.mem_hidden * 8 // 3,
+                         num_hidden_layers=args.mem_layers, num_attention_heads=args.mem_hidden // 64,
+                         num_key_value_heads=args.mem_hidden // 64)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
+        peaks = {}
+        for quant in ("bf16", "nf4"):
+            out = subprocess.run([sys.executable, __file__, "--child", tmp, quant, str(args.heads)],
+                                 capture_output=True, text=True, check=True)
+            peaks[quant] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+    return {"bf16_peak_mib": peaks["bf16"], "nf4_peak_mib": peaks["nf4"], "nf4_over_bf16": peaks["nf4"] / peaks["bf16"]}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        peak_memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--mem-hidden", type=int, default=1536)
+    p.add_argument("--mem-layers", type=int, default=12)
+    p.add_argument("--skip-memory", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    t = throughput(args)
+    print(f"model {args.model} ({args.dtype}), {args.heads} heads, batch {args.batch} x {args.seq} tokens")
+    print(f"  backbone forward only : {t['forward_tok_s']:9.0f} tokens/s")
+    print(f"  medusa1 training step : {t['train_tok_s']:9.0f} tokens/s")
+    print(f"  ratio (goal >= 0.85)  : {t['train_tok_s'] / t['forward_tok_s']:9.3f}")
+    if not args.skip_memory:
+        m = memory(args)
+        print(f"random Llama hidden {args.mem_hidden} x {args.mem_layers} layers, peak memory of 3 medusa1 steps")
+        print(f"  bf16 backbone : {m['bf16_peak_mib']:8.0f} MiB")
+        print(f"  nf4 backbone  : {m['nf4_peak_mib']:8.0f} MiB")
+        print(f"  ratio (goal <= 0.4) : {m['nf4_over_bf16']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""`python -m train <method> +model=<name> [hydra overrides]`.
+
+The first word picks conf/method/<method>.yaml; the rest are ordinary Hydra overrides (multirun, --cfg job, ...).
+Before Hydra runs the job, the overrides are composed once here so that an unknown method, model or key ends in
+one readable line and exit code 2 instead of a multi-line Hydra report.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from importlib import resources
+
+from hydra import compose, initialize_config_module
+from hydra._internal.utils import get_args_parser
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from train.config import register_configs
+
+CONFIG_MODULE = "conf"
+CONFIG_NAME = "train"
+USAGE = "usage: python -m train <method> +model=<name> [key=value ...]"
+_LOCAL_RANK = re.compile(r"^--local[_-]rank=(\d+)$")
+
+
+class UsageError(Exception):
+    """A bad command line; the message is the one line the user sees."""
+
+
+def available(group: str) -> list[str]:
+    folder = resources.files(CONFIG_MODULE).joinpath(group)
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def pop_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N; move it into LOCAL_RANK where HF/accelerate look for it."""
+    kept = []
+    for arg in argv:
+        match = _LOCAL_RANK.match(arg)
+        if match:
+            os.environ.setdefault("LOCAL_RANK", match.group(1))
+        else:
+            kept.append(arg)
+    return kept
+
+
+def _one_line(e: BaseException) -> str:
+    parts = []
+    while e is not None:
+        text = str(e).strip()
+        if text:
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
+            parts.append("; ".join(lines))
+        e = e.__cause__
+    return ": ".join(dict.fromkeys(parts))  # drop repeats, keep order
+
+
+def check_overrides(plain: list[str]) -> None:
+    """Compose the config once, turning composition failures into UsageError with one line."""
+    chosen_model = any(re.match(r"^\+{0,2}model=", o) for o in plain)
+    if not chosen_model:
+        raise UsageError(f"no model chosen: add +model=<name>; available: {', '.join(available('model'))}")
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            cfg = compose(config_name=CONFIG_NAME, overrides=plain)
+    except MissingConfigException as e:
+        group = next((g for g in ("model", "method", "data", "logger", "deepspeed") if f"'{g}/" in str(e)), None)
+        if group is not None:
+            name = re.search(rf"'{group}/([^']+)'", str(e)).group(1)
+            raise UsageError(f"unknown {group} '{name}'; available: {', '.join(available(group))}") from None
+        raise UsageError(_one_line(e)) from None
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise UsageError(_one_line(e)) from None
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise UsageError(f"incomplete config: {_one_line(e)}") from None
+
+
+def parse(argv: list[str]) -> list[str]:
+    """argv after `python -m train` -> Hydra overrides, with method=<first word> in front."""
+    argv = pop_local_rank(argv)
+    methods = available("method")
+    if not argv or argv[0] in ("-h", "--help"):
+        raise UsageError(f"{USAGE}; methods: {', '.join(methods)}; models: {', '.join(available('model'))}")
+    method, rest = argv[0], argv[1:]
+    if method not in methods:
+        raise UsageError(f"unknown method '{method}'; available: {', '.join(methods)}")
+    overrides = [f"method={method}", *rest]
+    flags = get_args_parser().parse_args(overrides)  # Hydra's own flags (--cfg job, -m, ...) stay Hydra's
+    if not flags.multirun:
+        check_overrides(flags.overrides)
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    import hydra
+
+    register_configs()
+    try:
+        overrides = parse(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from train.base import run
+
+    sys.argv = [sys.argv[0], *overrides]
+    hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME, version_base="1.3")(run)()

@@ -1,0 +1,121 @@
+"""Structured config schema. YAML under conf/ sets values; these dataclasses define which keys exist, so a misspelt
+key fails at composition with the key's full name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    path: str = MISSING  # hub id, local directory, or builtin:<name>
+    dtype: str = "bf16"  # bf16 | fp16 | fp32
+    quantization: Optional[str] = None  # null | nf4 (bitsandbytes 4-bit)
+    double_quant: bool = True
+    attn_implementation: str = "sdpa"
+    chat_template: Optional[str] = None  # shipped template name for models without one (data.templates)
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    name: str = "default"
+    format: str = "builtin"  # builtin | sharegpt | alpaca | gsm8k | text
+    path: Optional[str] = None
+    split: str = "train"
+    validation_path: Optional[str] = None
+    validation_fraction: float = 0.02
+    max_length: int = 512
+    packing: bool = False
+    on_error: str = "raise"  # raise | skip
+    max_samples: Optional[int] = None
+    chat_template: Optional[str] = None
+    system_prompt: Optional[str] = None
+    text_field: str = "text"
+    seed: int = 0
+
+
+@dataclass
+class TrainingConfig:
+    """The subset of transformers.TrainingArguments draftsmith exposes; passed through by name."""
+
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: float = 0.05  # < 1: fraction of total steps
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    logging_steps: int = 10
+    eval_steps: Optional[int] = None  # null: evaluate at the end only
+    save_steps: int = 500
+    save_total_limit: Optional[int] = 2
+    max_grad_norm: float = 1.0
+    dataloader_num_workers: int = 0
+    resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or "auto" for the newest complete one
+    bf16: bool = False  # autocast the trainable modules in bf16 (the frozen backbone follows model.dtype)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none | wandb
+    project: str = "draftsmith"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    mode: Optional[str] = None  # online | offline; null: offline when there is no API key, WANDB_MODE respected
+
+
+@dataclass
+class DeepSpeedConfig:
+    name: str = "none"
+    config: Optional[Any] = None  # a DeepSpeed JSON config as a mapping; null: DeepSpeed off
+
+
+@dataclass
+class EvalConfig:
+    greedy_prompts: int = 32  # validation prompts whose greedy continuation the heads are scored on
+    greedy_new_tokens: int = 64
+    max_batches: Optional[int] = None  # cap on validation batches (null: all)
+
+
+@dataclass
+class Medusa1Config:
+    name: str = "medusa1"
+    num_heads: int = 5
+    num_layers: int = 1
+    decay: float = 0.8  # λ: head k's loss is weighted λ^k; 1.0 gives the original repository's plain sum
+    share_lm_head: bool = False  # reuse the frozen base lm_head ("Medusa v2" layout) instead of one per head
+    init_from_lm_head: bool = True  # start each head's projection as a copy of the base lm_head
+
+
+@dataclass
+class TrainConfig:
+    method: Any = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    output_dir: str = MISSING
+    seed: int = 42
+
+
+METHOD_SCHEMAS = {"medusa1": Medusa1Config}
+
+
+def register_configs() -> None:
+    """Typed groups (model, data, ...) are checked through TrainConfig's fields; `method` is typed per method, so
+    each conf/method/<name>.yaml starts from its own <name>_schema."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, schema in METHOD_SCHEMAS.items():
+        cs.store(group="method", name=f"{name}_schema", node=schema)

@@ -1,0 +1,196 @@
+"""Medusa-1: frozen backbone, K trainable heads.
+
+Loss (Medusa paper, Eq. 1, with the decay weights of the reference implementation):
+    L = Σ_{k=1..K} λ^k · CE(head_k(h_t), x_{t+k+1})
+λ = cfg.method.decay; λ = 1 gives the original repository's plain sum.
+Dimension letters: B batch, T time, K heads, N selected positions, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F
+
+from models.backbone import final_hidden
+from models.checkpoint import load_drafter, save_drafter
+from models.medusa import MedusaConfig, MedusaHeads, head_targets
+from train.base import StepOutput
+
+TOPK = (1, 5)
+
+
+class MedusaTrainModule(nn.Module):
+    """The frozen target plus trainable heads; only `heads` has parameters that require grad."""
+
+    def __init__(self, target: nn.Module, heads: MedusaHeads) -> None:
+        super().__init__()
+        self.target = target
+        self.heads = heads
+
+    def lm_head(self) -> nn.Module:
+        return self.target.get_output_embeddings()
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> frozen post-norm hidden states [B, T, D] in the heads' dtype."""
+        return final_hidden(self.target, input_ids, attention_mask).to(next(self.heads.parameters()).dtype)
+
+
+def medusa_loss(
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    decay: float,
+    lm_head: nn.Module | None = None,
+) -> StepOutput:
+    """Σ_k λ^k · CE_k over positions whose head-k target is a trained token.
+
+    hidden [B, T, D], labels [B, T] unshifted (-100 = untrained). Only positions where some head has a target are
+    projected onto the vocabulary, so padding and prompt tokens cost nothing.
+    """
+    K = heads.config.num_heads
+    targets = torch.stack([head_targets(labels, k) for k in range(1, K + 1)])  # [K, B, T]
+    keep = (targets != -100).any(0)  # [B, T]
+    h = hidden[keep]  # [N, D]
+    targets = targets[:, keep]  # [K, N]
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, torch.Tensor] = {}
+    for k in range(K):
+        logits = heads.head_logits(k, h, lm_head).float()  # [N, V]
+        valid = targets[k] != -100
+        if valid.any():
+            ce = F.cross_entropy(logits[valid], targets[k][valid])
+            loss = loss + decay ** (k + 1) * ce
+            metrics[f"head{k + 1}_loss"] = ce.detach()
+            metrics.update(topk_accuracy(logits[valid].detach(), targets[k][valid], f"head{k + 1}"))
+    return StepOutput(loss=loss, metrics=metrics)
+
+
+def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """logits [N, V], targets [N] -> {"<prefix>_top1": ..., "<prefix>_top5": ...}."""
+    top = logits.topk(max(TOPK), dim=-1).indices  # [N, 5]
+    hits = top == targets[:, None]
+    return {f"{prefix}_top{k}": hits[:, :k].any(-1).float().mean() for k in TOPK}
+
+
+class AccuracyCounter:
+    """Sums top-k hits over an evaluation pass."""
+
+    def __init__(self) -> None:
+        self.hits: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        valid = targets != -100
+        if not valid.any():
+            return
+        top = logits[valid].topk(max(TOPK), dim=-1).indices
+        hits = top == targets[valid][:, None]
+        for k in TOPK:
+            key = f"{name}_top{k}"
+            self.hits[key] = self.hits.get(key, 0.0) + hits[:, :k].any(-1).sum().item()
+            self.counts[key] = self.counts.get(key, 0) + int(valid.sum())
+
+    def result(self) -> dict[str, float]:
+        return {k: self.hits[k] / self.counts[k] for k in self.hits}
+
+
+class Method:
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.m = cfg.method
+
+    def build(self, target: nn.Module, tokenizer: Any) -> MedusaTrainModule:
+        config = MedusaConfig(
+            num_heads=self.m.num_heads,
+            num_layers=self.m.num_layers,
+            hidden_size=target.config.get_text_config().hidden_size,
+            vocab_size=target.get_output_embeddings().weight.shape[0],
+            share_lm_head=self.m.share_lm_head,
+        )
+        heads = MedusaHeads(config)
+        if self.m.init_from_lm_head and not config.share_lm_head:
+            heads.init_from_base(target.get_output_embeddings())
+        target.requires_grad_(False).eval()
+        return MedusaTrainModule(target, heads.float())
+
+    def forward_loss(self, model: MedusaTrainModule, batch: dict[str, torch.Tensor]) -> StepOutput:
+        model.target.eval()  # Trainer calls model.train(); the frozen backbone keeps eval semantics (no dropout)
+        hidden = model.hidden(batch["input_ids"], batch["attention_mask"])
+        lm_head = model.lm_head() if model.heads.config.share_lm_head else None
+        return medusa_loss(model.heads, hidden, batch["labels"], self.m.decay, lm_head)
+
+    @torch.no_grad()
+    def evaluate(self, model: MedusaTrainModule, batches: Iterable, tokenizer: Any, prompts: list[list[int]]) -> dict[str, float]:
+        """Per-head top-1/top-5 and the backbone's own next-token top-1 on validation data; then the heads on the
+        target's greedy continuations of validation prompts (what decoding acceptance depends on)."""
+        counter = AccuracyCounter()
+        max_batches = self.cfg.eval.max_batches
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            self._score(model, batch["input_ids"], batch["attention_mask"], batch["labels"], counter, "")
+        metrics = counter.result()
+        if prompts:
+            greedy = AccuracyCounter()
+            for input_ids, attention_mask, labels in greedy_continuations(
+                model.target, prompts, self.cfg.eval.greedy_new_tokens, tokenizer, self.cfg.training.per_device_eval_batch_size
+            ):
+                self._score(model, input_ids, attention_mask, labels, greedy, "greedy_", backbone=False)
+            metrics.update(greedy.result())
+        return metrics
+
+    def _score(self, model, input_ids, attention_mask, labels, counter: AccuracyCounter, prefix: str, backbone: bool = True) -> None:
+        device = next(model.heads.parameters()).device
+        input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
+        hidden = model.hidden(input_ids, attention_mask)  # [B, T, D]
+        lm_head = model.lm_head()
+        if backbone:
+            base_logits = lm_head(hidden.to(lm_head.weight.dtype) if lm_head.weight.is_floating_point() else hidden)
+            counter.add(f"{prefix}backbone", base_logits[:, :-1].float(), labels[:, 1:])
+        shared = lm_head if model.heads.config.share_lm_head else None
+        for k in range(model.heads.config.num_heads):
+            logits = model.heads.head_logits(k, hidden, shared).float()  # [B, T, V]
+            counter.add(f"{prefix}head{k + 1}", logits, head_targets(labels, k + 1))
+
+    def save(self, model: MedusaTrainModule, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None:
+        save_drafter(output_dir, model.heads, self.cfg.model.path, tokenizer=tokenizer, extra=extra)
+
+    def load(self, model: MedusaTrainModule, checkpoint_dir: Path) -> None:
+        loaded = load_drafter(checkpoint_dir)
+        model.heads.load_state_dict(loaded.heads.state_dict())
+
+
+@torch.no_grad()
+def greedy_continuations(target: nn.Module, prompts: list[list[int]], max_new_tokens: int, tokenizer: Any, batch_size: int):
+    """Yield (input_ids [B, T], attention_mask [B, T], labels [B, T]) where labels mark only generated tokens up to
+    and including EOS. Prompts are left-padded, so positions come from the attention mask."""
+    device = next(target.parameters()).device
+    pad = tokenizer.pad_token_id
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(map(len, chunk))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        out = target.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+        )  # [B, width + new]
+        generated = out[:, width:]
+        alive = torch.ones_like(generated, dtype=torch.bool)
+        if tokenizer.eos_token_id is not None:
+            ended = (generated == tokenizer.eos_token_id).long().cumsum(-1)
+            alive = (ended - (generated == tokenizer.eos_token_id).long()) == 0  # up to and including the first EOS
+        labels = torch.full_like(out, -100)
+        labels[:, width:] = torch.where(alive, generated, torch.full_like(generated, -100))
+        mask = torch.cat([attention_mask, alive.long()], dim=1)
+        yield out, mask, labels
