@@ -42,6 +42,8 @@ class TrainMethod(Protocol):
 
     def save(self, model: nn.Module, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None: ...
 
+    def report(self, metrics: dict[str, float]) -> str: ...
+
     def load(self, model: nn.Module, checkpoint_dir: Path) -> None: ...
 
 
@@ -156,7 +158,8 @@ def training_arguments(cfg: DictConfig, report_to: list[str]) -> TrainingArgumen
 
 def prompt_ids(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
     """First user turn of validation conversations, formatted for generation (for the greedy-continuation eval)."""
-    from data import encode_prompt, load_conversations
+    from data.chat import encode_prompt
+    from data.datasets import load_conversations
 
     n = cfg.eval.greedy_prompts
     if n <= 0:
@@ -175,7 +178,8 @@ def prompt_ids(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Hydra task: set up, train, evaluate, save. Returns the final metrics."""
-    from data import ChatCollator, build_datasets
+    from data.collate import ChatCollator
+    from data.datasets import build_datasets
     from models.loading import load_target, load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -198,8 +202,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     datasets = build_datasets(cfg.data, tokenizer)
     model = method.build(target, tokenizer)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_val = len(datasets.validation) if datasets.validation is not None else 0
     log.info("method %s: %.2fM trainable parameters; %d train / %d validation samples",
-             cfg.method.name, n_train / 1e6, len(datasets.train), len(datasets.validation))
+             cfg.method.name, n_train / 1e6, len(datasets.train), n_val)
+    if not n_val:
+        log.warning("no validation samples (data.validation_path / data.validation_fraction): skipping evaluation")
 
     extra = {
         "method": cfg.method.name,
@@ -220,15 +227,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
         extra=extra,
     )
     resume = resolve_resume(cfg.training.resume_from_checkpoint, Path(args.output_dir))
+    if resume:
+        log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
-    metrics = trainer.evaluate()
+    metrics = trainer.evaluate() if n_val else {}
     extra["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, float)}
     method.save(model, output_dir, tokenizer, {**extra, "global_step": trainer.state.global_step})
-    print(format_metrics(metrics), flush=True)
+    if metrics:
+        print(method.report(metrics), flush=True)
     print(f"checkpoint: {output_dir}", flush=True)
     return metrics
-
-
-def format_metrics(metrics: dict[str, float]) -> str:
-    width = max(len(k) for k in metrics) if metrics else 0
-    return "\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in sorted(metrics.items()))

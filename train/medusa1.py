@@ -158,6 +158,21 @@ class Method:
             logits = model.heads.head_logits(k, hidden, shared).float()  # [B, T, V]
             counter.add(f"{prefix}head{k + 1}", logits, head_targets(labels, k + 1))
 
+    def report(self, metrics: dict[str, float]) -> str:
+        """The evaluation as a table: per-head top-1/top-5 next to the backbone's own next-token accuracy."""
+        rows = [f"{'':32}{'top-1':>8}{'top-5':>8}"]
+        for title, prefix, names in (
+            ("validation data (ground truth)", "eval_", ["backbone"] + [f"head{k}" for k in range(1, self.m.num_heads + 1)]),
+            ("target's greedy continuations", "eval_greedy_", [f"head{k}" for k in range(1, self.m.num_heads + 1)]),
+        ):
+            if f"{prefix}{names[-1]}_top1" not in metrics:
+                continue
+            rows.append(title)
+            for name in names:
+                label = "backbone (predicts t+1)" if name == "backbone" else f"head {name[4:]} (predicts t+{int(name[4:]) + 1})"
+                rows.append(f"  {label:30}{metrics[f'{prefix}{name}_top1']:8.3f}{metrics[f'{prefix}{name}_top5']:8.3f}")
+        return "\n".join(rows)
+
     def save(self, model: MedusaTrainModule, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None:
         save_drafter(output_dir, model.heads, self.cfg.model.path, tokenizer=tokenizer, extra=extra)
 

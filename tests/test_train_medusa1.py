@@ -1,0 +1,83 @@
+"""`python -m train medusa1` end to end on a tiny random model: few steps, checkpoint, load, resume."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.checkpoint import load_drafter
+from tests.model_support import save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "llama")
+
+
+@pytest.fixture(scope="module")
+def sharegpt_file(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": pick(5)}, {"from": "gpt", "value": pick(12)}]}
+               for i in range(40)]
+    path = tmp_path_factory.mktemp("data") / "chats.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def train(model_dir: Path, data: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
+        "data=sharegpt", f"data.path={data}", "data.max_length=64", "data.validation_fraction=0.25",
+        "training.max_steps=3", "training.per_device_train_batch_size=2", "training.logging_steps=1",
+        "method.num_heads=2", "eval.greedy_prompts=2", "eval.greedy_new_tokens=6", "logger=none", f"output_dir={out}",
+        *overrides,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def test_few_steps_write_a_loadable_checkpoint(tiny_model_dir, sharegpt_file, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny_model_dir, sharegpt_file, out)
+    assert_ok(result)
+    assert "head 1 (predicts t+2)" in result.stdout and "backbone (predicts t+1)" in result.stdout
+    loaded = load_drafter(out)
+    assert loaded.config["num_heads"] == 2 and loaded.config["base_model_name_or_path"] == str(tiny_model_dir)
+    assert loaded.config["training"]["global_step"] == 3
+    metrics = loaded.config["training"]["metrics"]
+    assert 0.0 <= metrics["eval_head1_top1"] <= metrics["eval_head1_top5"] <= 1.0
+    assert "eval_greedy_head1_top1" in metrics and "eval_backbone_top1" in metrics
+    assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
+    # The heads trained: they moved away from the zero-initialised residual blocks.
+    assert any(b.linear.weight.abs().sum() > 0 for h in loaded.heads.heads for b in h.blocks)
+
+
+def test_nf4_backbone(tiny_model_dir, sharegpt_file, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "nf4"
+    assert_ok(train(tiny_model_dir, sharegpt_file, out, "model.quantization=nf4", "model.dtype=bf16"))
+    loaded = load_drafter(out)
+    assert loaded.config["training"]["config"]["model"]["quantization"] == "nf4"
+    assert torch.isfinite(torch.cat([p.flatten() for p in loaded.heads.parameters()])).all()
+
+
+def test_resume_auto_continues_from_newest_checkpoint(tiny_model_dir, sharegpt_file, tmp_path):
+    out = tmp_path / "resume"
+    assert_ok(train(tiny_model_dir, sharegpt_file, out, "training.save_steps=2", "training.max_steps=2"))
+    result = train(tiny_model_dir, sharegpt_file, out, "training.save_steps=2", "training.max_steps=4", "training.resume_from_checkpoint=auto")
+    assert_ok(result)
+    state = json.loads((out / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    assert f"resuming from {out / 'checkpoints' / 'checkpoint-2'}" in result.stdout + result.stderr
