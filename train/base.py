@@ -44,6 +44,11 @@ class TrainMethod(Protocol):
 
     def report(self, metrics: dict[str, float]) -> str: ...
 
+    def param_groups(self, model: nn.Module, learning_rate: float) -> list[dict[str, Any]] | None:
+        """Optimizer parameter groups (e.g. a learning-rate multiplier for heads); None: one group of all trainable
+        parameters, as HF Trainer builds it."""
+        ...
+
     def load(self, model: nn.Module, checkpoint_dir: Path) -> None: ...
 
 
@@ -62,6 +67,14 @@ class DraftTrainer(Trainer):
         self.extra = extra
         self._metric_sums: dict[str, float] = {}
         self._metric_count = 0
+
+    def create_optimizer(self, model=None):
+        groups = self.method.param_groups(self.model, self.args.learning_rate)
+        if groups is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        self.optimizer = optimizer_cls(groups, **kwargs)
+        return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = self.method.forward_loss(model, inputs)

@@ -158,6 +158,9 @@ class Method:
             logits = model.heads.head_logits(k, hidden, shared).float()  # [B, T, V]
             counter.add(f"{prefix}head{k + 1}", logits, head_targets(labels, k + 1))
 
+    def param_groups(self, model: MedusaTrainModule, learning_rate: float) -> None:
+        return None  # heads only: HF Trainer's default single group
+
     def report(self, metrics: dict[str, float]) -> str:
         """The evaluation as a table: per-head top-1/top-5 next to the backbone's own next-token accuracy."""
         rows = [f"{'':32}{'top-1':>8}{'top-5':>8}"]

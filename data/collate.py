@@ -1,0 +1,47 @@
+"""Batch collation for {"input_ids", "labels"} samples (B batch, T time)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from data.chat import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class ChatCollator:
+    """Right-pads a list of samples into LongTensors input_ids / attention_mask / labels, each [B, T].
+
+    T is the longest sample, rounded up to `pad_to_multiple_of` when set. Pad positions hold `pad_token_id` in
+    input_ids, 0 in attention_mask and IGNORE_INDEX in labels. Samples without "labels" are trained everywhere
+    (labels = input_ids).
+    """
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        if not samples:
+            raise ValueError("ChatCollator got an empty batch")
+        ids = [_as_list(s["input_ids"]) for s in samples]
+        labels = [_as_list(s["labels"]) if "labels" in s else ids[i] for i, s in enumerate(samples)]
+        for i, (x, y) in enumerate(zip(ids, labels)):
+            if len(x) != len(y):
+                raise ValueError(f"sample {i}: {len(x)} input_ids but {len(y)} labels")
+        width = max(len(x) for x in ids)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch_ids = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)  # [B, T]
+        batch_labels = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)  # [B, T]
+        attention_mask = torch.zeros((len(ids), width), dtype=torch.long)  # [B, T]
+        for b, (x, y) in enumerate(zip(ids, labels)):
+            batch_ids[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+            batch_labels[b, : len(y)] = torch.tensor(y, dtype=torch.long)
+            attention_mask[b, : len(x)] = 1
+        return {"input_ids": batch_ids, "attention_mask": attention_mask, "labels": batch_labels}
+
+
+def _as_list(values) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)

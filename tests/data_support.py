@@ -1,0 +1,85 @@
+"""Test helpers for data/: fixture paths, a data-config stand-in, a tiny offline BPE tokenizer with a chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+FIXTURES = Path(__file__).parent / "fixtures" / "data"
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # public data; tests skip when absent
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+# "<s><|user|>\nhi<|end|>\n<|assistant|>\nhello<|end|>\n": assistant turns are "hello<|end|>".
+SIMPLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Who are you? I am a helpful assistant.",
+    "USER: ASSISTANT: [INST] [/INST] <<SYS>> <</SYS>> A chat between a curious user and an artificial intelligence",
+    "What is 2 + 3? The answer is 5. #### 5 Natalia sold clips to 48 of her friends in April.",
+    "Describe a process of making crepes. Mix the batter, heat the pan, cook each side.",
+    "hello world, hello there! Have a nice day. You too! Translate to French: bonjour.",
+]
+
+
+def tiny_tokenizer(
+    chat_template: str | None = SIMPLE_TEMPLATE, vocab_size: int = 400, metaspace: bool = False
+) -> PreTrainedTokenizerFast:
+    """A deterministic fast tokenizer: bos <s>, eos </s>, pad <pad>.
+
+    Default: byte-level BPE (exact decode of any text; its ids are pinned by other tests, keep the corpus fixed).
+    metaspace=True: SentencePiece-style "▁" pieces as in Llama-2 tokenizers (a leading "▁" on the first word;
+    characters outside the training corpus become <unk>).
+    """
+    if metaspace:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+        corpus, alphabet = [*_CORPUS, "Be nice.\nline breaks\n\n<|im_start|>system user assistant<|im_end|>"], []
+    else:
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        corpus, alphabet = _CORPUS, pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+        chat_template=chat_template,
+    )
+
+
+@dataclass(frozen=True)
+class DataCfg:
+    """Stand-in for the `data` config group (train/config.py holds the real schema); defaults as in the brief."""
+
+    name: str = "default"
+    format: str = "builtin"
+    path: str | None = None
+    split: str = "train"
+    validation_path: str | None = None
+    validation_fraction: float = 0.02
+    max_length: int = 512
+    packing: bool = False
+    on_error: str = "raise"
+    max_samples: int | None = None
+    chat_template: str | None = None
+    system_prompt: str | None = None
+    text_field: str = "text"
+    seed: int = 0
+
+
+SHAREGPT = DataCfg(name="sharegpt", format="sharegpt", path=str(FIXTURES / "sharegpt.json"), validation_fraction=0.0)
