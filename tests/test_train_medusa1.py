@@ -81,3 +81,33 @@ def test_resume_auto_continues_from_newest_checkpoint(tiny_model_dir, sharegpt_f
     state = json.loads((out / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
     assert f"resuming from {out / 'checkpoints' / 'checkpoint-2'}" in result.stdout + result.stderr
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, needle: str) -> None:
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], result.stderr[-4000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_input_errors_are_one_line(tiny_model_dir, sharegpt_file, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}\n{"conversations": [\n')
+    result = train(tiny_model_dir, bad, tmp_path / "out1")
+    assert_one_line_error(result, f"{bad}:2:")
+    result = train(tmp_path / "no-such-model", sharegpt_file, tmp_path / "out2")
+    assert_one_line_error(result, "no-such-model")
+    assert not (tmp_path / "out2" / "config.json").exists()
+
+
+def test_nonfinite_loss_stops_naming_the_step(tiny_model_dir, sharegpt_file, tmp_path):
+    out = tmp_path / "nan"
+    result = train(tiny_model_dir, sharegpt_file, out, "training.learning_rate=1e38", "training.warmup_steps=0",
+                   "training.max_grad_norm=0")
+    assert_one_line_error(result, "loss is")
+    assert "step " in result.stderr and not (out / "config.json").exists()
+    # skip: the exploded batches are skipped, but the weights are already non-finite, so nothing is saved
+    result = train(tiny_model_dir, sharegpt_file, out, "training.learning_rate=1e38", "training.warmup_steps=0",
+                   "training.max_grad_norm=0", "training.on_nonfinite=skip")
+    assert_one_line_error(result, "refusing to save non-finite weights")
+    assert "batch skipped" in result.stdout + result.stderr

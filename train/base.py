@@ -18,11 +18,15 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from transformers import Trainer, TrainingArguments, set_seed
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 log = logging.getLogger("draftsmith")
 
 TRAINER_CHECKPOINTS = "checkpoints"
+
+
+class NonFiniteLossError(ValueError):
+    """The loss became NaN/inf; training stops before anything non-finite is saved."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,18 @@ def load_method(cfg: DictConfig) -> TrainMethod:
 class DraftTrainer(Trainer):
     """HF Trainer whose loss, evaluation and checkpoint format come from a TrainMethod."""
 
-    def __init__(self, *args, method: TrainMethod, prompts: list[list[int]], extra: dict[str, Any], **kwargs):
+    def __init__(self, *args, method: TrainMethod, prompts: list[list[int]], extra: dict[str, Any],
+                 on_nonfinite: str = "stop", **kwargs):
         super().__init__(*args, **kwargs)
         self.method = method
+        self.on_nonfinite = on_nonfinite
         self.prompts = prompts
         self.extra = extra
         self._metric_sums: dict[str, float] = {}
         self._metric_count = 0
+        self.nonfinite_skipped = 0
+        if isinstance(method, TrainerCallback):  # a method whose loss depends on the step (e.g. medusa2's schedule)
+            self.add_callback(method)
 
     def create_optimizer(self, model=None):
         groups = self.method.param_groups(self.model, self.args.learning_rate)
@@ -78,10 +87,27 @@ class DraftTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = self.method.forward_loss(model, inputs)
+        if not torch.isfinite(out.loss):
+            out = self._nonfinite(model, out)
         for key, value in out.metrics.items():
             self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
         self._metric_count += 1
         return (out.loss, {}) if return_outputs else out.loss
+
+    def _nonfinite(self, model: nn.Module, out: StepOutput) -> StepOutput:
+        """training.on_nonfinite=stop: raise naming the step and the losses; =skip: this batch contributes a zero
+        gradient (counted and logged as nonfinite_skipped)."""
+        step = self.state.global_step + 1
+        parts = ", ".join(f"{k}={float(v):.4g}" for k, v in out.metrics.items() if k.endswith("loss"))
+        if self.on_nonfinite != "skip":
+            raise NonFiniteLossError(
+                f"step {step}: loss is {out.loss.item()} ({parts or 'no per-term losses'}); lower training.learning_rate, "
+                f"check the data, or set training.on_nonfinite=skip"
+            )
+        self.nonfinite_skipped += 1
+        log.warning("step %d: non-finite loss %s (%s), batch skipped (%d so far)", step, out.loss.item(), parts, self.nonfinite_skipped)
+        zero = sum(p.sum() * 0.0 for p in model.parameters() if p.requires_grad)
+        return StepOutput(loss=zero, metrics={"nonfinite_skipped": torch.tensor(float(self.nonfinite_skipped))})
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._metric_count:
@@ -152,7 +178,7 @@ def resolve_resume(setting: str | None, checkpoints_dir: Path) -> str | None:
 
 def training_arguments(cfg: DictConfig, report_to: list[str]) -> TrainingArguments:
     t = cfg.training
-    passthrough = {k: v for k, v in OmegaConf.to_container(t).items() if k not in ("resume_from_checkpoint", "eval_steps")}
+    passthrough = {k: v for k, v in OmegaConf.to_container(t).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite")}
     return TrainingArguments(
         output_dir=str(Path(cfg.output_dir) / TRAINER_CHECKPOINTS),
         eval_strategy="steps" if t.eval_steps else "no",
@@ -238,6 +264,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         method=method,
         prompts=prompt_ids(cfg, tokenizer),
         extra=extra,
+        on_nonfinite=cfg.training.on_nonfinite,
     )
     resume = resolve_resume(cfg.training.resume_from_checkpoint, Path(args.output_dir))
     if resume:

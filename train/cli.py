@@ -96,6 +96,29 @@ def parse(argv: list[str]) -> list[str]:
     return overrides
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors caused by input (data, paths, checkpoints, settings): reported as one line, exit code 1."""
+    from data.readers import DataError
+    from data.templates import ChatTemplateError
+    from models.checkpoint import CheckpointError, DrafterMismatchError
+    from models.loading import ModelLoadError
+    from train.base import NonFiniteLossError
+
+    return (DataError, ChatTemplateError, CheckpointError, DrafterMismatchError, ModelLoadError, NonFiniteLossError,
+            PermissionError, FileNotFoundError, IsADirectoryError, UsageError)
+
+
+def run_task(cfg) -> None:
+    """Hydra task: train, turning input errors into one line on stderr and exit code 1."""
+    from train.base import run
+
+    try:
+        run(cfg)
+    except user_errors() as e:
+        print(f"\nerror: {e}", file=sys.stderr, flush=True)  # the newline ends a progress bar's line
+        raise SystemExit(1) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     import hydra
 
@@ -105,7 +128,5 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    from train.base import run
-
     sys.argv = [sys.argv[0], *overrides]
-    hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME, version_base="1.3")(run)()
+    hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME, version_base="1.3")(run_task)()

@@ -61,6 +61,7 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     dataloader_num_workers: int = 0
     resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or "auto" for the newest complete one
+    on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
     bf16: bool = False  # autocast the trainable modules in bf16 (the frozen backbone follows model.dtype)
 
 
@@ -97,6 +98,34 @@ class Medusa1Config:
 
 
 @dataclass
+class Medusa2Config:
+    """Medusa-2 (train/medusa2.py): L = lm_weight·L_LM + heads_weight·s(step)·Σ_k decay^k·CE_k, backbone trained too."""
+
+    name: str = "medusa2"
+    num_heads: int = 5
+    num_layers: int = 1
+    decay: float = 0.8  # λ
+    share_lm_head: bool = False
+    init_from_lm_head: bool = True
+    init_heads: Optional[str] = None  # start from the heads of a medusa1/medusa2 checkpoint (its structure wins)
+    heads_warmup_steps: int = 0  # stage 1 in the same run: heads only, Medusa-1 loss, backbone frozen
+    backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
+    lora_r: int = 32
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head (peft "all-linear")
+    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
+    gradient_checkpointing: bool = False
+    lm_loss: str = "ce"  # ce | kl: KL(original ‖ backbone), original = adapters disabled (self-distillation)
+    lm_weight: float = 1.0  # λ0
+    heads_weight: float = 0.2  # c
+    head_schedule: str = "constant"  # constant | linear | sine: s(step), ramp of the head term over the joint phase
+    head_schedule_fraction: float = 1.0  # the ramp spans this fraction of the joint phase, then s = 1
+    heads_lr_multiplier: float = 4.0  # heads' learning rate = training.learning_rate × this
+    guard_max_ppl_increase: float = 0.02  # warn when held-out perplexity rises more than this (relative)
+
+
+@dataclass
 class TrainConfig:
     method: Any = MISSING
     model: ModelConfig = MISSING
@@ -109,7 +138,7 @@ class TrainConfig:
     seed: int = 42
 
 
-METHOD_SCHEMAS = {"medusa1": Medusa1Config}
+METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config}
 
 
 def register_configs() -> None:
