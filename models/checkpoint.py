@@ -5,6 +5,10 @@ A drafter checkpoint is a directory:
     drafter.safetensors    the drafter's weights (safetensors only: no pickle)
     tokenizer files        when a tokenizer was given
     README.md              model card (base model, method, data, steps, metrics, command)
+    adapter/ | backbone/   optional fine-tuned backbone (Medusa-2), named by config.json "backbone":
+                           {"format": "lora_adapter", "path": "adapter"}  a peft LoRA adapter for the base model, or
+                           {"format": "merged", "path": "backbone"}       a full `save_pretrained` model + tokenizer.
+                           `load_drafter_target` loads the target either way (the base model when there is none).
 
 Writes are atomic at the checkpoint level: files are written to a temporary sibling directory and moved in with
 config.json last; config.json is absent while files are swapped, so a reader never loads a torn checkpoint.
@@ -19,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -30,6 +34,7 @@ from models.medusa import MedusaConfig, MedusaHeads
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "drafter.safetensors"
 HEAD_FORMATS = {False: "per_head_lm_head", True: "shared_lm_head"}
+BACKBONE_DIRS = {"lora_adapter": "adapter", "merged": "backbone"}  # config.json "backbone.format" -> subfolder
 
 
 class CheckpointError(ValueError):
@@ -38,6 +43,19 @@ class CheckpointError(ValueError):
 
 class DrafterMismatchError(ValueError):
     """A drafter checkpoint does not fit the base model it is loaded with."""
+
+
+@dataclass(frozen=True)
+class BackboneWriter:
+    """A fine-tuned backbone saved with the heads. `write(folder)` fills an empty folder: a peft adapter
+    (`save_pretrained` of a PeftModel) for format "lora_adapter", a full `save_pretrained` model for "merged"."""
+
+    format: str
+    write: Callable[[Path], None]
+
+    def __post_init__(self) -> None:
+        if self.format not in BACKBONE_DIRS:
+            raise ValueError(f"backbone format must be one of {', '.join(BACKBONE_DIRS)}, got {self.format!r}")
 
 
 @dataclass(frozen=True)
@@ -70,9 +88,11 @@ def save_drafter(
     base_model_name_or_path: str,
     tokenizer: Any = None,
     extra: dict[str, Any] | None = None,
+    backbone: BackboneWriter | None = None,
 ) -> Path:
     """Write `heads` as a draftsmith checkpoint at `output_dir`, atomically. `extra` lands in config.json under
-    "training" and feeds the model card. Returns the checkpoint path."""
+    "training" and feeds the model card; `backbone` (Medusa-2) adds the fine-tuned backbone's subfolder. Returns the
+    checkpoint path."""
     output_dir = Path(output_dir)
     config = {
         **medusa_config_dict(heads.config),
@@ -81,12 +101,21 @@ def save_drafter(
     }
     if extra:
         config["training"] = extra
+    if backbone is not None:
+        config["backbone"] = {"format": backbone.format, "path": BACKBONE_DIRS[backbone.format]}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in heads.state_dict().items()}
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"{output_dir}: refusing to save non-finite weights ({', '.join(bad[:3])})")
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "drafter_type": "medusa"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        if backbone is not None:
+            folder = tmp / BACKBONE_DIRS[backbone.format]
+            folder.mkdir()
+            backbone.write(folder)
         (tmp / "README.md").write_text(model_card(config))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -99,19 +128,23 @@ def atomic_write_dir(target: Path, write) -> None:
 
     config.json is the completion marker: it is removed from `target` before any file is replaced and moved in
     last, so a reader that finds it finds a complete checkpoint. Other files already in `target` (Hydra logs,
-    trainer checkpoints) are left alone.
+    trainer checkpoints) are left alone. A subfolder written by `write` replaces the same-named one in `target` whole
+    (the old one is moved into the temporary directory and deleted with it).
     """
     target.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
         files = sorted(tmp.iterdir(), key=lambda p: p.name == CONFIG_NAME)  # config.json last
-        for path in files:
+        for path in [p for p in tmp.rglob("*") if p.is_file()]:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
         (target / CONFIG_NAME).unlink(missing_ok=True)
         for path in files:
-            os.replace(path, target / path.name)
+            dest = target / path.name
+            if dest.exists() and (path.is_dir() or dest.is_dir()):  # os.replace cannot overwrite a folder
+                os.replace(dest, tmp / f".replaced-{path.name}")
+            os.replace(path, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -133,8 +166,12 @@ def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedDrafter:
-    """Read a draftsmith checkpoint written by `save_drafter`."""
+    """Read a draftsmith checkpoint written by `save_drafter`, or an original-Medusa directory (medusa_lm_head.*)."""
     path = Path(path)
+    from models.interop import is_medusa_dir, load_medusa_dir  # here: models.interop imports this module
+
+    if is_medusa_dir(path):
+        return load_medusa_dir(path, device, dtype)
     config = read_drafter_config(path)
     if config["drafter_type"] != "medusa":
         raise CheckpointError(f"{path / CONFIG_NAME}: drafter_type {config['drafter_type']!r} has no weights loader")
@@ -179,6 +216,50 @@ def check_compatible(drafter_config: dict[str, Any], base_config: Any) -> None:
             )
 
 
+def backbone_folder(path: str | os.PathLike) -> tuple[str, Path] | None:
+    """(format, folder) of the fine-tuned backbone a checkpoint carries (Medusa-2), or None (Medusa-1 heads only)."""
+    path = Path(path)
+    spec = read_drafter_config(path).get("backbone")
+    if spec is None:
+        return None
+    fmt = spec.get("format") if isinstance(spec, dict) else None
+    if fmt not in BACKBONE_DIRS:
+        raise CheckpointError(f"{path / CONFIG_NAME}: backbone.format {fmt!r} is not one of {', '.join(BACKBONE_DIRS)}")
+    folder = path / str(spec.get("path", BACKBONE_DIRS[fmt]))
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: missing; {path / CONFIG_NAME} names a {fmt} backbone there")
+    return fmt, folder
+
+
+def load_drafter_target(path: str | os.PathLike, base: str | None = None, **load_kwargs: Any):
+    """The target model the drafter at `path` was trained with; `load_kwargs` go to models.loading.load_target.
+
+    No backbone (Medusa-1): the base model (`base`, default the checkpoint's base_model_name_or_path). A "merged"
+    backbone: that folder's model (`base` is ignored). A "lora_adapter": the base with the adapter merged in, or, on a
+    quantized base, a peft model with the adapter active (merging would round the adapter into 4-bit weights).
+    """
+    from models.loading import load_target
+
+    path = Path(path)
+    found = backbone_folder(path)
+    if found is not None and found[0] == "merged":
+        return load_target(str(found[1]), **load_kwargs)
+    base = base or read_drafter_config(path).get("base_model_name_or_path")
+    if not base:
+        raise CheckpointError(f"{path / CONFIG_NAME}: no base_model_name_or_path; pass base=")
+    model = load_target(base, **load_kwargs)
+    if found is None:
+        return model
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, str(found[1]), is_trainable=False)
+    if load_kwargs.get("quantization") in (None, "none"):
+        model = model.merge_and_unload()
+    if load_kwargs.get("frozen", True):
+        model.eval().requires_grad_(False)
+    return model
+
+
 def model_card(config: dict[str, Any]) -> str:
     training = config.get("training", {})
     lines = [
@@ -192,6 +273,8 @@ def model_card(config: dict[str, Any]) -> str:
     for key in ("base_model_name_or_path", "drafter_type", "num_heads", "num_layers", "head_format"):
         if key in config:
             lines.append(f"| {key} | {config[key]} |")
+    if "backbone" in config:
+        lines.append(f"| backbone | {config['backbone']['format']} ({config['backbone']['path']}/) |")
     for key in ("method", "data", "global_step"):
         if key in training:
             lines.append(f"| {key} | {training[key]} |")
