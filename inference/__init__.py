@@ -1,0 +1,40 @@
+"""draftsmith inference engine: draft -> verify -> accept -> update cache, lossless by default.
+
+    from inference import load
+    engine = load("path/to/drafter")              # base model read from the checkpoint's config.json
+    out = engine.generate(prompt_ids, max_new_tokens=128)
+    out.sequences, out.stats
+
+Modules: tree (choice paths -> buffers), verify (greedy / typical (lossy) / rejection sampling), cache (tree masks
+and KV surgery), drafters (Drafter protocol, NoDrafter, MedusaDrafter), generate (the loop), api (load + Engine).
+"""
+
+from inference.api import Engine, load
+from inference.drafters import DecodeState, Draft, Drafter, MedusaDrafter, NoDrafter
+from inference.generate import DecodeConfig, GenerationOutput, GenerationStats, StepTimes, generate
+from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
+from inference.verify import SamplingParams, VerifyResult, verify_greedy, verify_rejection, verify_typical
+
+__all__ = [
+    "DecodeConfig",
+    "DecodeState",
+    "Draft",
+    "Drafter",
+    "Engine",
+    "GenerationOutput",
+    "GenerationStats",
+    "MedusaDrafter",
+    "NoDrafter",
+    "SamplingParams",
+    "StepTimes",
+    "TreeBuffers",
+    "TreeError",
+    "VerifyResult",
+    "build_tree",
+    "generate",
+    "load",
+    "load_tree",
+    "verify_greedy",
+    "verify_rejection",
+    "verify_typical",
+]

@@ -1,0 +1,148 @@
+"""One call to serve any drafter: `engine = load(drafter_path); engine.generate(prompt_ids)`.
+
+The checkpoint's config.json names the drafter type ("drafter_type") and the base model it was trained for
+("base_model_name_or_path"); `load` dispatches on the type through `DRAFTER_BUILDERS`, so new drafter types add
+one builder and keep this call unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from inference.drafters import Drafter, MedusaDrafter, NoDrafter
+from inference.generate import DecodeConfig, GenerationOutput, generate
+from inference.tree import TreeBuffers, load_tree
+from inference.verify import SamplingParams
+from models.checkpoint import CONFIG_NAME, CheckpointError, check_compatible, load_drafter, read_drafter_config
+from models.loading import load_target
+
+MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
+
+
+def _medusa(path: Path, model: torch.nn.Module, tree: Any, topk: int, device: torch.device) -> Drafter:
+    loaded = load_drafter(path, device=device, dtype=model.get_input_embeddings().weight.dtype)
+    check_compatible(loaded.config, model.config)
+    buffers = load_tree(tree, num_heads=loaded.heads.config.num_heads, topk=topk, device=device)
+    base_lm_head = model.get_output_embeddings() if loaded.heads.config.share_lm_head else None
+    return MedusaDrafter(loaded.heads, buffers, base_lm_head)
+
+
+DRAFTER_BUILDERS: dict[str, Callable[[Path, torch.nn.Module, Any, int, torch.device], Drafter]] = {"medusa": _medusa}
+
+
+class Engine:
+    """A target model and its drafter, ready to generate. Build with `load`."""
+
+    def __init__(self, model: torch.nn.Module, drafter: Drafter, drafter_config: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.drafter = drafter
+        self.drafter_config = drafter_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def tree(self) -> TreeBuffers | None:
+        return getattr(self.drafter, "tree", None)
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        acceptance: str = "exact",
+        stop: Sequence[Sequence[int]] = (),
+        ignore_eos: bool = False,
+        stream: Callable[[int, list[int]], None] | None = None,
+        seed: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> GenerationOutput:
+        """Generate from one prompt ([T] ids) or a batch ([B, T] tensor, or a list of id lists of any lengths,
+        left-padded here). acceptance="exact" is lossless (greedy at temperature 0, rejection sampling above);
+        "typical" is Medusa's LOSSY typical acceptance. Stops at the model's EOS ids unless `ignore_eos`, and after
+        any `stop` id sequence."""
+        input_ids, attention_mask = self._batch(prompt_ids, attention_mask)
+        eos = () if ignore_eos else _eos_ids(self.model)
+        config = DecodeConfig(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+            acceptance=acceptance,
+            eos_token_ids=eos,
+            stop_sequences=tuple(tuple(int(t) for t in s) for s in stop),
+        )
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        return generate(self.model, input_ids, self.drafter, config, attention_mask, stream, generator)
+
+    def _batch(self, prompt_ids: Any, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(prompt_ids, torch.Tensor):
+            ids = prompt_ids if prompt_ids.dim() == 2 else prompt_ids[None]
+            return ids.to(self.device), None if attention_mask is None else attention_mask.to(self.device)
+        rows = [list(prompt_ids)] if prompt_ids and isinstance(prompt_ids[0], int) else [list(r) for r in prompt_ids]
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("prompt_ids: every prompt needs at least one token")
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        return ids, mask
+
+
+def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def load(
+    drafter_path: str | Path | None = None,
+    base: str | None = None,
+    dtype: str = "bf16",
+    device: str | torch.device = "cpu",
+    tree: str | Path | Sequence[Sequence[int]] | None = None,
+    topk: int = MEDUSA_TOPK,
+    quantization: str | None = None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> Engine:
+    """Load a base model and (optionally) a drafter checkpoint into an Engine.
+
+    `base` defaults to the checkpoint's base_model_name_or_path. Without a drafter the engine decodes
+    autoregressively through the same loop (the baseline). `tree` is a tree spec for tree drafters (see
+    inference.tree.load_tree); None uses the shipped default for the drafter's head count."""
+    config = None
+    if drafter_path is not None:
+        drafter_path = Path(drafter_path)
+        config = read_drafter_config(drafter_path)
+        if config["drafter_type"] not in DRAFTER_BUILDERS:
+            known = ", ".join(sorted(DRAFTER_BUILDERS))
+            raise CheckpointError(
+                f"{drafter_path / CONFIG_NAME}: drafter_type {config['drafter_type']!r} is not served (known: {known})"
+            )
+        base = base or config.get("base_model_name_or_path")
+        if not base:
+            raise CheckpointError(f"{drafter_path / CONFIG_NAME}: no base_model_name_or_path; pass base=")
+    elif base is None:
+        raise ValueError("load: pass drafter_path (a draftsmith checkpoint) or base (a model to decode alone)")
+    elif tree is not None:
+        raise ValueError("load: tree= needs a tree drafter; pass drafter_path")
+    model = load_target(
+        base, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    if quantization in (None, "none"):
+        model.to(device)
+    device = model.get_input_embeddings().weight.device
+    if config is None:
+        return Engine(model, NoDrafter())
+    drafter = DRAFTER_BUILDERS[config["drafter_type"]](drafter_path, model, tree, topk, device)
+    return Engine(model, drafter, config)

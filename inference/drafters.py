@@ -1,0 +1,113 @@
+"""Drafters: what proposes the tree of candidate tokens the target verifies each step.
+
+Dimension letters: B batch, S cached slots, T prompt length, K tree nodes, H heads, R top-k ranks, V vocab,
+D hidden.
+
+A drafter implements the `Drafter` protocol: `propose(state)` returns a `Draft` (a tree and the token at each node,
+the root being `state.root`), and `update(state, draft, result)` lets it advance its own state after the target
+accepted a path. New drafters (Jacobi, draft model, lookahead) plug into `inference.generate.generate` unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from inference.tree import TreeBuffers, root_only_tree
+from inference.verify import VerifyResult
+from models.medusa import MedusaHeads
+
+
+@dataclass(frozen=True, eq=False)
+class Draft:
+    tree: TreeBuffers
+    tokens: torch.Tensor  # [B, K] token at each node; tokens[:, 0] is the root (state.root)
+
+
+@dataclass(eq=False)
+class DecodeState:
+    """What the loop carries between steps; `inference.generate.accept` advances it in place after each step."""
+
+    cache: DynamicCache  # keys/values of every committed token except `root`
+    valid: torch.Tensor  # [B, S] bool: which cache slots are real tokens (see inference.cache)
+    next_pos: torch.Tensor  # [B] position id of `root`
+    root: torch.Tensor  # [B] the last committed token, not yet in the cache: the root of the next tree
+    hidden: torch.Tensor | None  # [B, D] final-norm hidden state whose logits produced `root` (when requested)
+    prompt: torch.Tensor  # [B, T] prompt ids, left-padded
+    generated: list[list[int]]  # committed tokens per row, `root` included, before stop trimming
+
+
+class Drafter(Protocol):
+    needs_hidden: bool  # whether `state.hidden` must be filled (costs nothing extra: the forward computes it)
+
+    def propose(self, state: DecodeState) -> Draft: ...
+
+    def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None: ...
+
+
+class NoDrafter:
+    """Autoregressive baseline through the same loop: a root-only tree, one target token per forward."""
+
+    needs_hidden = False
+
+    def __init__(self) -> None:
+        self._tree: TreeBuffers | None = None
+
+    def propose(self, state: DecodeState) -> Draft:
+        if self._tree is None or self._tree.depth.device != state.root.device:
+            self._tree = root_only_tree(state.root.device)
+        return Draft(tree=self._tree, tokens=state.root[:, None])
+
+    def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
+        """Stateless: nothing to advance."""
+
+
+class MedusaDrafter:
+    """Medusa heads (Cai et al. 2024) on a static tree.
+
+    Per step the heads run at ONE position, the last accepted one (the hidden state whose logits gave the root),
+    and only the heads the tree reaches: H x (residual blocks + D x V projection) on a [B, D] input, then top-R per
+    head. Node tokens are then gathered from the [B, H * R] candidate table; nothing scales with K x V. The
+    projections dominate (H weight reads of D x V, about the target's own per-token cost for a small model);
+    shared-lm_head heads project in one call so that weight is read once.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, heads: MedusaHeads, tree: TreeBuffers, base_lm_head: nn.Module | None = None) -> None:
+        if tree.max_depth > len(heads.heads):
+            raise ValueError(f"tree depth {tree.max_depth} exceeds the drafter's {len(heads.heads)} heads")
+        if heads.config.share_lm_head and base_lm_head is None:
+            raise ValueError("these Medusa heads share the base lm_head (shared_lm_head format); pass base_lm_head")
+        self.heads = heads
+        self.tree = tree
+        self.base_lm_head = base_lm_head
+
+    def candidates(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, D] -> top-R token ids of each head the tree uses, [B, H * R] head-major."""
+        param = next(self.heads.parameters(), None)  # absent for shared-lm_head heads without residual blocks
+        h = hidden if param is None else hidden.to(param.dtype)
+        used = self.heads.heads[: self.tree.max_depth]
+        head_h = torch.stack([head.blocks(h) for head in used])  # [H, B, D]
+        if self.heads.config.share_lm_head:  # one call: the shared D x V weight is read once for all heads
+            logits = self.base_lm_head(head_h.to(self.base_lm_head.weight.dtype))  # [H, B, V]
+        else:
+            logits = torch.stack([head.lm_head(x) for head, x in zip(used, head_h)])  # [H, B, V]
+        top = logits.topk(self.tree.topk, dim=-1).indices  # [H, B, R]
+        return top.permute(1, 0, 2).reshape(hidden.shape[0], -1)
+
+    def propose(self, state: DecodeState) -> Draft:
+        if state.hidden is None:
+            raise ValueError("MedusaDrafter needs state.hidden (the loop fills it when needs_hidden is True)")
+        if self.tree.num_nodes == 1:
+            return Draft(tree=self.tree, tokens=state.root[:, None])
+        table = self.candidates(state.hidden)  # [B, H * R]
+        tokens = torch.cat([state.root[:, None], table[:, self.tree.candidate_index]], dim=1)  # [B, K]
+        return Draft(tree=self.tree, tokens=tokens)
+
+    def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
+        """Stateless between steps: the heads read only `state.hidden`, which the loop refreshes."""

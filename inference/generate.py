@@ -1,0 +1,257 @@
+"""The generation loop: prefill, then per step draft -> forward -> verify -> accept (cache surgery) -> commit.
+
+Dimension letters: B batch, T prompt length, S cached slots, K tree nodes, V vocab, D hidden.
+
+One target forward per step runs the whole draft tree (tree attention through a 4-D additive mask, explicit
+position ids, a stock DynamicCache) and yields the logits of every node. A step commits the accepted drafts plus
+the target's own next token, so it always makes progress; with `NoDrafter` it is plain autoregressive decoding.
+Lossless: with acceptance="exact" the output equals (greedy) or is distributed as (sampling) decoding the target
+alone with the same `SamplingParams`. acceptance="typical" is lossy. "Equals" is up to floating point: a K-node
+forward may round differently from a one-token forward, which can flip a near-tied argmax (rare in fp32, less rare
+in bf16), exactly as batching does in plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from inference.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.drafters import DecodeState, Draft, Drafter, NoDrafter
+from inference.verify import SamplingParams, VerifyResult, next_token, verify_greedy, verify_rejection, verify_typical
+
+ACCEPTANCE = ("exact", "typical")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    acceptance: str = "exact"  # "exact": greedy at temperature 0, rejection sampling above; "typical": LOSSY
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    eos_token_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # generation stops after any of these id sequences
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            raise ValueError("stop_sequences must not contain an empty sequence")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Wall-clock seconds per phase, summed over the run; `other` is commit, stop checks and streaming."""
+
+    prefill: float
+    draft: float
+    forward: float
+    verify: float
+    cache: float
+    other: float
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.draft + self.forward + self.verify + self.cache + self.other
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    target_forwards: int  # prefill included
+    accepted: tuple[tuple[int, ...], ...]  # [step][row] accepted drafts; -1 for rows already finished
+    new_tokens: int  # returned tokens, all rows
+    times: StepTimes
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted drafts per step over active rows (tokens per step = this + 1)."""
+        live = [a for step in self.accepted for a in step if a >= 0]
+        return sum(live) / max(len(live), 1)
+
+    def per_step(self) -> StepTimes:
+        """Mean seconds per decoding step for each phase (prefill stays its one-off total)."""
+        n = max(self.steps, 1)
+        t = self.times
+        return StepTimes(t.prefill, t.draft / n, t.forward / n, t.verify / n, t.cache / n, t.other / n)
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    sequences: list[list[int]]  # new tokens per row (prompt excluded), trimmed at EOS / stop / max_new_tokens
+    stats: GenerationStats
+
+
+@dataclass
+class _Clock:
+    totals: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("prefill", "draft", "forward", "verify", "cache"), 0.0)
+    )
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.totals[phase] += time.perf_counter() - start
+
+
+def prefill(
+    model: torch.nn.Module, input_ids: torch.Tensor, pad_mask: torch.Tensor, config: DecodeConfig,
+    needs_hidden: bool, generator: torch.Generator | None,
+) -> DecodeState:
+    """Run the prompt [B, T] through the target; the first committed token becomes the root."""
+    dtype = model.get_input_embeddings().weight.dtype
+    mask, positions = prefill_inputs(pad_mask, dtype)
+    cache = new_cache()
+    out = model(
+        input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+        logits_to_keep=1, **({"output_hidden_states": -1} if needs_hidden else {}),
+    )
+    root = next_token(out.logits[:, -1], config.sampling, generator)  # [B]
+    return DecodeState(
+        cache=cache,
+        valid=pad_mask.clone(),
+        next_pos=pad_mask.long().sum(-1),
+        root=root,
+        hidden=out.hidden_states[-1][:, -1] if needs_hidden else None,
+        prompt=input_ids,
+        generated=[[t] for t in root.tolist()],
+    )
+
+
+def forward_tree(
+    model: torch.nn.Module, state: DecodeState, draft: Draft, needs_hidden: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over the tree: logits [B, K, V] and, when asked, final-norm hidden states [B, K, D].
+    Appends K slots to the cache."""
+    dtype = model.get_input_embeddings().weight.dtype
+    mask, positions = tree_inputs(draft.tree, state.valid, state.next_pos, dtype)
+    out = model(
+        input_ids=draft.tokens, attention_mask=mask, position_ids=positions, cache=state.cache, use_cache=True,
+        **({"output_hidden_states": -1} if needs_hidden else {}),
+    )
+    return out.logits, (out.hidden_states[-1] if needs_hidden else None)
+
+
+def verify(draft: Draft, logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator | None) -> VerifyResult:
+    """Pick the rule: greedy at temperature 0 (whatever `acceptance` says: typical acceptance degenerates to it),
+    else rejection sampling (exact) or typical acceptance (lossy)."""
+    if config.sampling.greedy:
+        return verify_greedy(draft.tokens, logits, draft.tree)
+    if config.acceptance == "typical":
+        return verify_typical(
+            draft.tokens, logits, draft.tree, config.sampling, config.typical_epsilon, config.typical_delta, generator
+        )
+    return verify_rejection(draft.tokens, logits, draft.tree, config.sampling, generator)
+
+
+def accept(state: DecodeState, result: VerifyResult, hidden: torch.Tensor | None) -> None:
+    """Keep the accepted path in the cache (root + accepted drafts per row), advance positions, set the new root."""
+    start = state.valid.shape[1]
+    width = int(result.num_accepted.max()) + 1
+    keep_nodes(state.cache, start, result.path[:, :width].clamp(min=0))
+    state.valid = commit_slots(state.valid, result.num_accepted, width)
+    state.next_pos = state.next_pos + result.num_accepted + 1
+    state.root = result.next_token
+    if hidden is not None:
+        state.hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), result.node]  # [B, D]
+    for row, (toks, n) in enumerate(zip(result.tokens.tolist(), result.num_accepted.tolist())):
+        state.generated[row].extend(toks[: n + 1])
+
+
+def stop_index(tokens: list[int], start: int, config: DecodeConfig) -> int | None:
+    """Length to cut `tokens` to if a stop condition fires at or after index `start`, else None."""
+    for i in range(start, len(tokens)):
+        if i + 1 >= config.max_new_tokens or tokens[i] in config.eos_token_ids:
+            return min(i + 1, config.max_new_tokens)
+        for seq in config.stop_sequences:
+            if i + 1 >= len(seq) and tuple(tokens[i + 1 - len(seq) : i + 1]) == seq:
+                return i + 1
+    return None
+
+
+def check_window(model: torch.nn.Module, total_len: int) -> None:
+    """The cache here is full-attention; refuse lengths where a sliding-window model would attend differently."""
+    window = getattr(model.config, "sliding_window", None)
+    layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"]
+    if window and any("sliding" in t for t in layer_types) and total_len > window:
+        raise ValueError(
+            f"prompt + max_new_tokens = {total_len} exceeds the model's sliding_window={window}; "
+            "sliding-window attention is not supported by the tree cache"
+        )
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    drafter: Drafter | None = None,
+    config: DecodeConfig = DecodeConfig(),
+    attention_mask: torch.Tensor | None = None,
+    stream: Callable[[int, list[int]], None] | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationOutput:
+    """Decode up to `config.max_new_tokens` new tokens per row of `input_ids` [B, T] (left-padded when
+    `attention_mask` [B, T] marks padding with 0). `stream(row, tokens)` receives each row's tokens as they are
+    committed. Rows that stop early keep riding along in the batch; their extra tokens are discarded."""
+    drafter = drafter if drafter is not None else NoDrafter()
+    pad_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if not bool(pad_mask[:, -1].all()):
+        raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
+    check_window(model, input_ids.shape[1] + config.max_new_tokens)
+    clock = _Clock()
+    start = time.perf_counter()
+    with clock("prefill"):
+        state = prefill(model, input_ids, pad_mask, config, drafter.needs_hidden, generator)
+    batch = input_ids.shape[0]
+    out: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    accepted: list[tuple[int, ...]] = []
+    _commit(state, out, done, config, stream)
+    while not all(done):
+        with clock("draft"):
+            draft = drafter.propose(state)
+        with clock("forward"):
+            logits, hidden = forward_tree(model, state, draft, drafter.needs_hidden)
+        with clock("verify"):
+            result = verify(draft, logits, config, generator)
+        with clock("cache"):
+            accept(state, result, hidden)
+        with clock("draft"):
+            drafter.update(state, draft, result)
+        accepted.append(tuple(-1 if d else n for d, n in zip(done, result.num_accepted.tolist())))
+        _commit(state, out, done, config, stream)
+    elapsed = time.perf_counter() - start
+    times = StepTimes(**clock.totals, other=max(elapsed - sum(clock.totals.values()), 0.0))
+    stats = GenerationStats(
+        target_forwards=1 + len(accepted), accepted=tuple(accepted), new_tokens=sum(map(len, out)), times=times
+    )
+    return GenerationOutput(sequences=out, stats=stats)
+
+
+def _commit(
+    state: DecodeState, out: list[list[int]], done: list[bool], config: DecodeConfig,
+    stream: Callable[[int, list[int]], None] | None,
+) -> None:
+    """Move each active row's newly committed tokens into `out`, applying stop conditions."""
+    for row, tokens in enumerate(state.generated):
+        if done[row]:
+            continue
+        before = len(out[row])
+        out[row].extend(tokens[before:])
+        cut = stop_index(out[row], before, config)
+        if cut is not None:
+            del out[row][cut:]
+            done[row] = True
+        if stream is not None and len(out[row]) > before:
+            stream(row, out[row][before:])

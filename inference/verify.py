@@ -1,0 +1,205 @@
+"""Verification rules: which drafted tree nodes the target accepts, and the target's own next token.
+
+Dimension letters: B batch, K tree nodes (root included), V vocab, P leaf paths, L = max_depth + 1.
+
+Inputs shared by every rule:
+    tokens [B, K]     token at each tree node; tokens[:, 0] is the root (already committed)
+    logits [B, K, V]  target logits at each node: the target's prediction for the token after that node,
+                      given the prefix, the node's ancestors and the node itself
+Every rule returns a `VerifyResult`; the tokens a step commits are the accepted drafts followed by `next_token`.
+
+Rules:
+    greedy     exact at temperature 0: the target's argmax chain.
+    typical    LOSSY (Medusa "typical acceptance", Cai et al. 2024, sec. 3.3.1): accept x if
+               p(x) > min(eps, delta * exp(-H(p))). Outputs are plausible but NOT distributed as the target.
+    rejection  exact at any temperature: speculative sampling (Leviathan et al. 2023; Chen et al. 2023) over a tree of
+               deterministic drafts (one-hot q), siblings tried in rank order (SpecInfer, Miao et al. 2024).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from inference.tree import TreeBuffers
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's logits become a distribution; applied identically by every decoding path.
+    temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, then top-k, then top-p (HF order).
+    Greedy params give the one-hot of the argmax, so every rule below reduces to greedy at temperature 0."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, mass_before >= params.top_p)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[..., V] probabilities -> [...] sampled ids."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[..., V] -> [...]: the target's own token (argmax when greedy, else a sample of `target_probs`)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(target_probs(logits, params), generator)
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyResult:
+    """Outcome of one verification step. Row b commits tokens[b, : num_accepted[b] + 1]."""
+
+    node: torch.Tensor  # [B] deepest accepted tree node (0: only the root, no draft accepted)
+    path_index: torch.Tensor  # [B] a row of tree.retrieve passing through `node`
+    num_accepted: torch.Tensor  # [B] accepted draft tokens (= depth of `node`)
+    path: torch.Tensor  # [B, L] node ids root .. node, padded with -1: the cache entries to keep
+    tokens: torch.Tensor  # [B, L] accepted drafts then next_token, padded with -1
+    next_token: torch.Tensor  # [B] the target's token after the accepted drafts (correction or bonus)
+
+
+def make_result(tree: TreeBuffers, tokens: torch.Tensor, node: torch.Tensor, next_tok: torch.Tensor) -> VerifyResult:
+    """Assemble a VerifyResult from the accepted node [B] and the next token [B]."""
+    path = tree.node_path[node]  # [B, L]
+    n = tree.depth[node]  # [B]
+    drafts = tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, L-1] tokens along the path, root excluded
+    committed = torch.cat([drafts, torch.full_like(n[:, None], -1)], dim=1)  # [B, L]
+    committed.scatter_(1, n[:, None], next_tok[:, None])
+    col = torch.arange(committed.shape[1], device=committed.device)
+    committed = committed.masked_fill(col[None, :] > n[:, None], -1)
+    return VerifyResult(
+        node=node, path_index=tree.node_to_path[node], num_accepted=n, path=path, tokens=committed, next_token=next_tok
+    )
+
+
+def path_matches(tree: TreeBuffers, accept: torch.Tensor) -> torch.Tensor:
+    """[B, K] per-node acceptance (node judged against its parent's distribution) -> [B, P] accepted prefix length
+    of every leaf path (consecutive accepted nodes from depth 1)."""
+    ret = tree.retrieve  # [P, L]
+    ok = accept[:, ret[:, 1:].clamp(min=0)] & (ret[:, 1:] >= 0)  # [B, P, L-1]
+    return ok.long().cumprod(-1).sum(-1)
+
+
+def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers) -> VerifyResult:
+    """Exact greedy: the longest path whose every token equals the target argmax at its parent."""
+    pred = logits.argmax(-1)  # [B, K]
+    accept = tokens == pred.gather(1, tree.parent.clamp(min=0).expand_as(tokens))  # [B, K]; root entry unused
+    lengths = path_matches(tree, accept)  # [B, P]
+    best = lengths.argmax(-1)  # [B]; every longest path carries the same tokens: the target's argmax chain
+    node = tree.retrieve[best, lengths.gather(1, best[:, None])[:, 0]]
+    return make_result(tree, tokens, node, pred.gather(1, node[:, None])[:, 0])
+
+
+def typical_threshold(probs: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
+    """[..., V] -> [...]: min(epsilon, delta * exp(-H(p))), entropy in nats."""
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def verify_typical(
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    tree: TreeBuffers,
+    params: SamplingParams,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """LOSSY typical acceptance: accept node x iff p_parent(x) > min(epsilon, delta * exp(-H(p_parent))), p being
+    `target_probs`. Longest accepted path wins; ties go to the higher path likelihood. The next token is sampled
+    from p at the accepted node."""
+    probs = target_probs(logits, params)  # [B, K, V]
+    parent = tree.parent.clamp(min=0)
+    p_tok = probs[:, parent].gather(2, tokens[:, :, None])[:, :, 0]  # [B, K] p_parent(token)
+    accept = p_tok > typical_threshold(probs, epsilon, delta)[:, parent]  # [B, K]
+    lengths = path_matches(tree, accept)  # [B, P]
+    ret = tree.retrieve
+    logp = p_tok.clamp(min=1e-30).log()[:, ret[:, 1:].clamp(min=0)]  # [B, P, L-1]
+    depth_idx = torch.arange(ret.shape[1] - 1, device=ret.device)
+    likelihood = logp.masked_fill(depth_idx >= lengths[:, :, None], 0.0).sum(-1)  # [B, P]
+    score = torch.where(lengths == lengths.max(-1, keepdim=True).values, likelihood, -math.inf)
+    best = score.argmax(-1)
+    node = ret[best, lengths.gather(1, best[:, None])[:, 0]]
+    next_tok = sample(probs.gather(1, node[:, None, None].expand(-1, 1, probs.shape[-1]))[:, 0], generator)
+    return make_result(tree, tokens, node, next_tok)
+
+
+def verify_rejection(
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    tree: TreeBuffers,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Exact tree speculative sampling with deterministic drafts: the committed tokens are distributed exactly as
+    sampling the target autoregressively with `params`.
+
+    At a node with target distribution p, children x1, x2, ... (rank order) are tried in turn. A draft is a
+    point mass q = 1{x}, so the acceptance test min(1, p(x)/q(x)) is "accept with probability p(x)"; on
+    rejection the residual norm(max(p - q, 0)) is p with x zeroed and renormalised, and the next sibling is tried
+    against it. An accepted child becomes the current node; when no child is accepted (or at a leaf: the whole
+    path was accepted) the next token is sampled from the current residual. A sibling repeating a rejected token
+    has residual mass 0 and is never accepted, so duplicate drafts stay exact. Vectorised over rows: the loop runs
+    over tree depth and sibling slots only.
+    """
+    probs = target_probs(logits, params)  # [B, K, V]
+    batch, rows = tokens.shape[0], torch.arange(tokens.shape[0], device=tokens.device)
+    node = torch.zeros(batch, dtype=torch.long, device=tokens.device)  # current node per row
+    walking = torch.ones(batch, dtype=torch.bool, device=tokens.device)
+    residual = probs[:, 0].clone()  # [B, V] p at the current node, rejected drafts zeroed (unnormalised)
+    for _ in range(tree.max_depth):
+        kids = tree.child_table[node]  # [B, C]
+        moved = torch.zeros_like(walking)
+        for j in range(kids.shape[1]):
+            child = kids[:, j]
+            trying = walking & ~moved & (child >= 0)
+            x = tokens.gather(1, child.clamp(min=0)[:, None])  # [B, 1]
+            p_x = residual.gather(1, x)[:, 0]  # 0 for a token already rejected at this node
+            u = torch.rand(batch, generator=generator, device=tokens.device)
+            take = trying & (u * residual.sum(-1) < p_x)  # u < p(x) / residual mass
+            residual.scatter_(1, x, torch.where(trying & ~take, 0.0, p_x)[:, None])
+            node = torch.where(take, child, node)
+            residual = torch.where(take[:, None], probs[rows, child.clamp(min=0)], residual)
+            moved |= take
+        walking &= moved
+        if not bool(walking.any()):
+            break
+    # rounding can only empty a residual whose every remaining token had mass ~0; fall back to p at the node
+    empty = ~(residual.sum(-1) > 0)
+    residual = torch.where(empty[:, None], probs[rows, node], residual)
+    return make_result(tree, tokens, node, torch.multinomial(residual, 1, generator=generator)[:, 0])
