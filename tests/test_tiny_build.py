@@ -1,0 +1,101 @@
+"""The built-in tiny models: a miniature build through the real code path (small tokenizer corpus, a few steps)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data.chat import IGNORE_INDEX, encode_chat
+from models import tiny
+from models.tiny import COMPLETE_MARKER, TinySpec, TokenizerSpec
+
+MINI = TinySpec(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+    pretrain_steps=3, pretrain_batch=2, pretrain_seq_len=32, lr=1e-3,
+    sft_steps=2, sft_batch=2, sft_seq_len=64, sft_lr=1e-3, warmup_steps=1, eval_tokens=256, threads=1,
+)
+MINI_TOKENIZER = TokenizerSpec(vocab_size=384, max_corpus_chars=150_000)
+MAX_CONVERSATIONS = 24
+
+
+def _mini_build(models_dir, name="tiny"):
+    tokenizer_dir = tiny.ensure_tokenizer(models_dir / tiny.TOKENIZER_DIR, MINI_TOKENIZER, progress=False)
+    with tiny._atomic_dir(models_dir / name) as tmp:
+        tiny.build(name, tmp, tokenizer_dir, spec=MINI, progress=False, max_conversations=MAX_CONVERSATIONS)
+    return models_dir / name
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return _mini_build(tmp_path_factory.mktemp("cache") / "models")
+
+
+def test_build_loads_through_from_pretrained_and_generates(built):
+    model = AutoModelForCausalLM.from_pretrained(built).eval()
+    tokenizer = AutoTokenizer.from_pretrained(built)
+    assert type(model).__name__ == "LlamaForCausalLM" and (built / "model.safetensors").is_file()
+    assert model.config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids(tiny.EOS)
+    assert model.config.vocab_size == len(tokenizer)
+    prompt = tokenizer("def f(x):", return_tensors="pt")
+    assert prompt["input_ids"][0, 0].item() == tokenizer.bos_token_id
+    out = model.generate(**prompt, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert out.shape == (1, prompt["input_ids"].shape[1] + 5)
+
+
+def test_build_info_and_completion_marker(built):
+    info = tiny.load_build_info(built)
+    assert (built / COMPLETE_MARKER).is_file()
+    assert info.name == "tiny" and info.pretrain_steps == 3 and info.sft_steps == 2
+    assert info.params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(built).parameters())
+    assert 0 < info.val_loss < 10 and 0 <= info.val_top1 <= 1 and 0 <= info.chat_val_top1 <= 1
+    assert info.sample_prompt.startswith("Write") and isinstance(info.sample_completion, str)
+    assert json.loads((built / "build_info.json").read_text())["spec"]["hidden_size"] == 32
+
+
+def test_chat_template_ends_assistant_turns_with_eos(built):
+    tokenizer = AutoTokenizer.from_pretrained(built)
+    messages = [{"role": "user", "content": "Write `f()`"}, {"role": "assistant", "content": "def f():\n    pass"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == "<|bos|><|user|>\nWrite `f()`<|end|>\n<|assistant|>\ndef f():\n    pass<|end|>\n"
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert text.startswith(prompt) and prompt.endswith("<|assistant|>\n")
+    encoded = encode_chat(tokenizer, messages, max_length=128)
+    trained = [t for t, label in zip(encoded.input_ids, encoded.labels) if label != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "def f():\n    pass<|end|>"
+
+
+def test_same_seed_same_weights(built, tmp_path):
+    # Equivalence: a second build (fresh tokenizer training included) reproduces the first bit for bit.
+    again = _mini_build(tmp_path / "models")
+    assert (again.parent / tiny.TOKENIZER_DIR / "tokenizer.json").read_bytes() == (
+        built.parent / tiny.TOKENIZER_DIR / "tokenizer.json").read_bytes()
+    first = AutoModelForCausalLM.from_pretrained(built).state_dict()
+    second = AutoModelForCausalLM.from_pretrained(again).state_dict()
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_ensure_built_reuses_a_complete_build(built, monkeypatch):
+    cache_root = built.parent.parent
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache_root))
+    stamp = (built / "model.safetensors").stat().st_mtime_ns
+    assert tiny.ensure_built("tiny", progress=False) == built
+    from models.loading import resolve_model_path
+
+    assert resolve_model_path("builtin:tiny") == str(built)
+    assert (built / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_failed_build_leaves_no_partial_directory(tmp_path):
+    target = tmp_path / "models" / "tiny"
+    with pytest.raises(RuntimeError, match="boom"):
+        with tiny._atomic_dir(target) as tmp:
+            (tmp / "half-written").write_text("x")
+            raise RuntimeError("boom")
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+def test_unknown_name_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unknown built-in model 'huge'; choose one of tiny, tiny-draft"):
+        tiny.ensure_built("huge", progress=False, cache_dir=tmp_path)
