@@ -1,0 +1,326 @@
+"""`python -m inference generate | bench | build-tree`: the engine from the command line.
+
+Every subcommand loads a `Session` the same way: a base model, a drafter and a tokenizer. `--drafter` is whatever
+`inference.api.load` serves, so a drafter registered there is on the command line with no change here:
+    a draftsmith checkpoint directory   config.json names the drafter type (api.DRAFTER_BUILDERS) and the base model
+    a plain causal LM (dir, builtin:..)  a draft model for --base
+    a registered name (api.NAMED_DRAFTERS: jacobi, lookahead, prompt_lookup, ...), optionally "name:key=value,...";
+                                        --drafter-option KEY=VALUE pairs are appended to that spec
+    none (the default)                  plain autoregressive decoding through the same loop
+
+Bad input ends in one line `error: ...` on stderr and exit status 2, with nothing written (DRAFTSMITH_TRACEBACK=1
+shows the traceback instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+import torch
+
+EXIT_USAGE = 2
+TRACEBACK_ENV = "DRAFTSMITH_TRACEBACK"  # set to get the traceback instead of the one-line error
+
+
+class UsageError(ValueError):
+    """A bad command line or input file; the message is the one line the user sees."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+@dataclass(frozen=True)
+class Session:
+    """What every subcommand works with. `engine.drafter` is the chosen drafter (NoDrafter for none)."""
+
+    engine: Any  # inference.api.Engine
+    tokenizer: Any
+    chat_template: str | None  # None: the tokenizer's own
+    base: str  # the base model's name or path, as given
+    drafter_name: str  # --drafter as given ("none" when absent)
+    drafter_config: dict[str, Any] | None  # the checkpoint's config.json
+
+
+def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -> None:
+    p.add_argument("--drafter", required=drafter_required,
+                   help=f"a draftsmith checkpoint directory, a draft model (dir or builtin:<name>, with --base), or "
+                        f"a registered drafter ({', '.join(named_drafters())}[:key=value,...]); default: none")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="option for a registered drafter; repeatable")
+    p.add_argument("--base", help="base model: hub id, local dir, builtin:tiny, or a conf/model name "
+                                  "(default: the checkpoint's base_model_name_or_path)")
+    p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's, else the base model's)")
+    p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the conf/model's, else bf16")
+    p.add_argument("--quantization", choices=("none", "nf4"), default="none")
+    p.add_argument("--device", help="default: cuda when available, else cpu")
+    p.add_argument("--chat-template", help="shipped template name (vicuna_v1.1, llama-2-chat) or a Jinja string "
+                                           "(default: the checkpoint's training setting, else the tokenizer's own)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables")
+    p.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
+                   help="exact: lossless (greedy at T=0, rejection sampling above); typical: Medusa's typical "
+                        "acceptance, LOSSY (outputs are not distributed as the target's; same as exact at T=0)")
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def model_settings(name: str) -> dict[str, Any]:
+    """--base as a conf/model/<name>.yaml (path, dtype, chat_template), else as a path / hub id / builtin:<name>."""
+    conf = resources.files("conf").joinpath("model", f"{name}.yaml")
+    if "/" in name or not conf.is_file():
+        return {"path": name, "dtype": None, "chat_template": None}
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.load(str(conf))
+    return {"path": str(c.path), "dtype": c.get("dtype"), "chat_template": c.get("chat_template")}
+
+
+def named_drafters() -> list[str]:
+    from inference.api import NAMED_DRAFTERS
+
+    return ["none", *sorted(NAMED_DRAFTERS)]
+
+
+def drafter_spec(name: str, pairs: Sequence[str]) -> str:
+    """--drafter plus --drafter-option pairs as one `inference.api.load` spec ("name:key=value,...")."""
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key or "," in pair:
+            raise UsageError(f"--drafter-option {pair!r}: expected KEY=VALUE (no commas)")
+    if not pairs:
+        return name
+    if name.partition(":")[0] not in named_drafters()[1:]:
+        raise UsageError(f"--drafter-option applies to registered drafters ({', '.join(named_drafters()[1:])}); "
+                         f"--drafter {name} carries its own settings")
+    return name + ("," if ":" in name else ":") + ",".join(pairs)
+
+
+def _trained_chat_template(config: dict[str, Any] | None) -> str | None:
+    trained = ((config or {}).get("training") or {}).get("config") or {}
+    for group in ("model", "data"):
+        value = (trained.get(group) or {}).get("chat_template")
+        if value:
+            return str(value)
+    return None
+
+
+def open_session(args: argparse.Namespace) -> Session:
+    """Load base model, drafter and tokenizer from the common options (see `add_model_args`)."""
+    from inference.api import load
+    from inference.draft_model import is_plain_model
+    from models.checkpoint import read_drafter_config
+    from models.loading import TOKENIZER_FILES, load_tokenizer
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    name = args.drafter or "none"
+    spec = drafter_spec(name, args.drafter_option)
+    config = checkpoint_config(name)
+    if config is None and name.partition(":")[0] not in named_drafters() and not name.startswith("builtin:") \
+            and not Path(name).is_dir():
+        raise UsageError(f"--drafter {name}: no such checkpoint or model directory, and not a registered drafter "
+                         f"({', '.join(named_drafters())})")
+    if config is None and Path(name).is_dir() and not is_plain_model(name):
+        read_drafter_config(name)  # raises CheckpointError naming what is missing or malformed
+    base_arg = args.base or (None if config is None else config.get("base_model_name_or_path"))
+    if base_arg is None:
+        raise UsageError(f"--drafter {name} needs --base (the model to decode with)")
+    if name == "none" and args.tree is not None:
+        raise UsageError("--tree needs a drafter; --drafter is none")
+    settings = model_settings(base_arg)
+    engine = load(
+        None if name == "none" else spec, base=settings["path"], dtype=args.dtype or settings["dtype"] or "bf16",
+        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), tree=args.tree,
+        quantization=None if args.quantization == "none" else args.quantization,
+    )
+    tokenizer_path = args.tokenizer
+    if tokenizer_path is None:
+        own = config is not None and args.base is None and any((Path(name) / f).is_file() for f in TOKENIZER_FILES)
+        tokenizer_path = name if own else settings["path"]
+    tokenizer = load_tokenizer(tokenizer_path)
+    chat_template = args.chat_template or settings["chat_template"] or _trained_chat_template(config)
+    return Session(engine, tokenizer, chat_template, base_arg, name, config)
+
+
+def checkpoint_config(name: str) -> dict[str, Any] | None:
+    """config.json of a draftsmith checkpoint directory (one naming a drafter_type), else None."""
+    path = Path(name) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # not ours to judge here: `load` reports a broken checkpoint with its file name
+    return data if isinstance(data, dict) and "drafter_type" in data else None
+
+
+def encode_messages(session: Session, messages: list[dict[str, str]], raw_hint: bool = False) -> list[int]:
+    """Prompt ids of a conversation with the session's chat template and generation prompt."""
+    from data.chat import encode_prompt
+    from data.templates import TEMPLATES, ChatTemplateError
+
+    try:
+        return encode_prompt(session.tokenizer, messages, session.chat_template)
+    except ChatTemplateError as err:
+        if session.chat_template is None and not getattr(session.tokenizer, "chat_template", None):
+            raise UsageError(f"the tokenizer has no chat template: pass --chat-template "
+                             f"({', '.join(sorted(TEMPLATES))}){' or --raw' if raw_hint else ''}") from None
+        raise UsageError(str(err)) from None
+
+
+def read_chat(value: str) -> list[dict[str, str]]:
+    """--chat: a JSON file or a JSON literal; a list of {"role", "content"} messages, {"messages": [...]}, or a
+    list of strings (alternating user / assistant turns, starting with the user)."""
+    path = Path(value)
+    where = f"--chat {value}" if len(value) < 60 else "--chat"
+    try:
+        text = path.read_text() if path.is_file() else value
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: line {e.lineno}: not valid JSON ({e.msg}); pass a file or a JSON list") from None
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"{where}: expected a non-empty list of messages or strings")
+    messages = []
+    for i, turn in enumerate(data):
+        if isinstance(turn, str):
+            turn = {"role": "user" if i % 2 == 0 else "assistant", "content": turn}
+        if not isinstance(turn, dict) or turn.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(turn.get("content"), str):
+            raise UsageError(f"{where}: message {i}: expected {{\"role\": system|user|assistant, \"content\": str}}")
+        messages.append({"role": turn["role"], "content": turn["content"]})
+    return messages
+
+
+def build_parser() -> Parser:
+    from inference.bench import add_bench_args
+    from inference.tree_builder import add_build_tree_args
+
+    parser = Parser(prog="python -m inference", description="draftsmith inference engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    gen = sub.add_parser("generate", help="generate from a prompt, streaming text to stdout",
+                         description="Generate from --prompt or --chat; streams text to stdout, stats to stderr.")
+    add_model_args(gen)
+    add_sampling_args(gen, max_new_tokens=128)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one user message (chat-formatted unless --raw); '-' reads stdin")
+    source.add_argument("--chat", help="a conversation: JSON file or literal (messages or alternating strings)")
+    gen.add_argument("--system", help="system message prepended to --prompt")
+    gen.add_argument("--raw", action="store_true", help="use --prompt as plain text, without the chat template")
+    gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    gen.set_defaults(func=run_generate)
+    add_bench_args(sub.add_parser("bench", help="MT-bench / Spec-Bench style benchmark against plain decoding"))
+    add_build_tree_args(sub.add_parser("build-tree", help="measure head accuracy and verify cost, write a tree"))
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from inference.textstream import TextStream
+
+    check_sampling(args)
+    if any(not s for s in args.stop):
+        raise UsageError("--stop: a stop string must not be empty")
+    if args.raw and args.chat is not None:
+        raise UsageError("--raw applies to --prompt, not --chat")
+    messages = read_chat(args.chat) if args.chat is not None else None  # bad input fails before loading a model
+    session = open_session(args)
+    if messages is not None:
+        prompt_ids = encode_messages(session, messages, raw_hint=True)
+    else:
+        text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if args.raw:
+            prompt_ids = list(session.tokenizer(text)["input_ids"])
+        else:
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            prompt_ids = encode_messages(session, [*system, {"role": "user", "content": text}], raw_hint=True)
+    if not prompt_ids:
+        raise UsageError("the prompt encodes to no tokens")
+    emit = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    stream = TextStream(session.tokenizer, args.stop, emit)
+    stop_ids = [session.tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop]
+    out = session.engine.generate(
+        prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, acceptance=args.acceptance, stop=[s for s in stop_ids if s], ignore_eos=args.ignore_eos,
+        stream=stream, seed=args.seed,
+    )
+    text, token_ids = stream.finish(out.sequences[0])
+    stats = stats_dict(out.stats)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": token_ids, "prompt_tokens": len(prompt_ids),
+                          "drafter": session.drafter_name, "base": session.base, "stats": stats}))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{stats['new_tokens']} tokens, {stats['target_forwards']} target forwards, tau {stats['tau']:.2f}, "
+              f"{stats['tokens_per_s']:.1f} tok/s; per step (ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in stats["per_step_ms"].items()) + "]", file=sys.stderr)
+    return 0
+
+
+def stats_dict(stats: Any) -> dict[str, Any]:
+    """GenerationStats as JSON: tau = new tokens per target forward (prefill included)."""
+    times, per_step = stats.times, stats.per_step()
+    phases = ("draft", "forward", "verify", "cache", "other")
+    return {
+        "new_tokens": stats.new_tokens,
+        "target_forwards": stats.target_forwards,
+        "steps": stats.steps,
+        "tau": stats.new_tokens / max(stats.target_forwards, 1),
+        "mean_accepted": stats.mean_accepted,
+        "wall_time_s": times.total,
+        "tokens_per_s": stats.new_tokens / times.total if times.total > 0 else 0.0,
+        "prefill_ms": times.prefill * 1e3,
+        "per_step_ms": {p: getattr(per_step, p) * 1e3 for p in phases},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as err:  # usage, checkpoint, model, tree, template and data errors are ValueErrors
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename:  # output folder not writable, disk full
+        return f"{err.filename}: {err.strerror or err}"
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,265 @@
+"""`python -m inference generate | bench | build-tree` end to end on a tiny random model and Medusa heads saved to disk,
+plus the pure parts (text streaming, summary arithmetic, tree planning) against brute force."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from inference.bench import read_questions
+from inference.benchstats import Answer, TurnResult, summarize
+from inference.cli import UsageError, main
+from inference.drafters import NoDrafter
+from inference.generate import DecodeConfig, StepTimes, generate
+from inference.textstream import TextStream
+from inference.tree import expected_accept_length, load_tree
+from inference.tree_builder import CostCurve, RankCounter, plan_tree
+from models.checkpoint import save_drafter
+from models.medusa import MedusaConfig, MedusaHeads
+from tests.data_support import FIXTURES, tiny_tokenizer
+from tests.model_support import tiny_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a poem about the sea.", "Now make it shorter."]},
+    {"question_id": 2, "category": "math", "turns": ["What is 2 + 3?", "And times 4?"]},
+    {"question_id": 3, "category": "writing", "turns": ["Describe a process of making crepes.", "Summarise it."]},
+]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """A peaked tiny Llama (argmax gaps dwarf fp32 reordering) + 2 Medusa heads copied from its lm_head (so they are
+    sometimes right when the model repeats itself) + a question file."""
+    root = tmp_path_factory.mktemp("cli")
+    tokenizer = tiny_tokenizer()
+    config = tiny_config("llama", vocab_size=len(tokenizer), hidden_size=32)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=32, vocab_size=len(tokenizer)))
+    heads.init_from_base(model.lm_head)
+    metrics = {"eval_head1_top1": 0.4, "eval_head1_top5": 0.6, "eval_head2_top1": 0.2, "eval_head2_top5": 0.4}
+    save_drafter(root / "ckpt", heads, str(root / "model"), tokenizer=tokenizer, extra={"metrics": metrics})
+    questions = root / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return {"root": root, "model": root / "model", "ckpt": root / "ckpt", "questions": questions}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def generate_json(capsys, *argv: str) -> dict:
+    code, out, err = run(capsys, "generate", "--dtype", "fp32", "--json", *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_generate_equals_plain_decoding_and_streams_the_same_text(assets, capsys):
+    spec = generate_json(capsys, "--drafter", assets["ckpt"], "--prompt", "hello world", "--max-new-tokens", "24")
+    plain = generate_json(capsys, "--base", assets["model"], "--prompt", "hello world", "--max-new-tokens", "24")
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
+    assert spec["text"] == tiny_tokenizer().decode(spec["token_ids"], skip_special_tokens=True,
+                                                   clean_up_tokenization_spaces=False)
+    stats = spec["stats"]
+    assert stats["new_tokens"] == 24 and stats["target_forwards"] == stats["steps"] + 1
+    assert stats["tau"] == pytest.approx(24 / stats["target_forwards"]) and plain["stats"]["tau"] == 1.0
+    assert set(stats["per_step_ms"]) == {"draft", "forward", "verify", "cache", "other"}
+    code, out, err = run(capsys, "generate", "--drafter", assets["ckpt"], "--prompt", "hello world",
+                         "--max-new-tokens", "24", "--dtype", "fp32")
+    assert code == 0 and out == spec["text"] + "\n" and "target forwards" in err
+
+
+def test_stop_string_cuts_text_and_ids(assets, capsys):
+    full = generate_json(capsys, "--drafter", assets["ckpt"], "--prompt", "hi", "--max-new-tokens", "32")
+    tok = tiny_tokenizer()
+    pieces = [tok.decode([t]) for t in full["token_ids"]]
+    stop = next(p for p in pieces[4:] if p.isascii() and p.strip() and p.isprintable())
+    cut = generate_json(capsys, "--drafter", assets["ckpt"], "--prompt", "hi", "--max-new-tokens", "32",
+                        "--stop", stop)
+    assert cut["text"] == full["text"][: full["text"].index(stop)]
+    ids = cut["token_ids"]
+    assert ids == full["token_ids"][: len(ids)]
+    assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
+
+
+def test_chat_turns_as_strings_equal_messages(assets, capsys):
+    common = ("--base", assets["model"], "--max-new-tokens", "4")
+    as_strings = generate_json(capsys, *common, "--chat", json.dumps(["hi", "hello", "bye"]))
+    chat_file = assets["root"] / "chat.json"
+    chat_file.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                     "content": "hello"}, {"role": "user", "content": "bye"}]}))
+    as_file = generate_json(capsys, *common, "--chat", chat_file)
+    assert as_strings["token_ids"] == as_file["token_ids"] and as_strings["prompt_tokens"] == as_file["prompt_tokens"]
+    assert as_file["prompt_tokens"] > 10
+
+
+def test_stream_returning_true_stops_the_row(tiny_lm):
+    seen = []
+    out = generate(tiny_lm, torch.tensor([[5, 6, 7]]), NoDrafter(), DecodeConfig(max_new_tokens=10),
+                   stream=lambda row, toks: seen.extend(toks) or len(seen) >= 3)
+    assert out.sequences[0] == seen and len(seen) == 3
+
+
+def test_bench_end_to_end(assets, capsys, tmp_path):
+    out_dir, plots = tmp_path / "out", tmp_path / "plots"
+    code, out, err = run(capsys, "bench", "--drafter", assets["ckpt"], "--questions", assets["questions"],
+                         "--turns", "all", "--max-new-tokens", "16", "--dtype", "fp32", "--out", out_dir,
+                         "--plot", plots, "--model-id", "heads")
+    assert code == 0, err
+    assert "greedy outputs identical" in out
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["main"] == "drafter" and set(summary["methods"]) == {"drafter", "ar", "hf"}
+    assert summary["greedy_check"]["identical"] is True and summary["greedy_check"]["compared_turns"] == 6
+    assert summary["methods"]["ar"]["tau"] == 1.0 and summary["tau"] >= 1.0
+    assert summary["speedup_vs_ar"] > 0 and summary["speedup_vs_hf"] > 0 and summary["engine_efficiency"] > 0
+    assert set(summary["categories"]) == {"writing", "math"} and summary["categories"]["writing"]["questions"] == 2
+    for model_id in ("heads", "model-ar", "model-hf"):
+        records = [json.loads(line) for line in (out_dir / f"{model_id}.jsonl").read_text().splitlines()]
+        assert [r["question_id"] for r in records] == [1, 2, 3]
+        for r in records:
+            assert set(r) == {"question_id", "category", "answer_id", "model_id", "choices", "tstamp"}
+            choice = r["choices"][0]
+            assert set(choice) == {"index", "turns", "new_tokens", "idxs", "wall_time", "accept_lengths"}
+            assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) == 2
+            assert len(choice["accept_lengths"]) == sum(choice["idxs"]) - 2  # one entry per step after prefill
+            assert r["model_id"] == model_id
+    tokens = sum(sum(json.loads(line)["choices"][0]["new_tokens"])
+                 for line in (out_dir / "heads.jsonl").read_text().splitlines())
+    assert tokens == summary["methods"]["drafter"]["new_tokens"]
+    pytest.importorskip("matplotlib")
+    assert {p.name for p in plots.iterdir()} == {"head_accuracy.png", "accept_hist.png", "bench_summary.png"}
+
+
+def test_bench_plain_decoding_only(assets, capsys, tmp_path):
+    code, out, err = run(capsys, "bench", "--base", assets["model"], "--questions", assets["questions"],
+                         "--limit", "1", "--baselines", "ar", "--max-new-tokens", "4", "--out", tmp_path)
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["main"] == "ar" and summary["speedup_vs_ar"] is None and summary["greedy_check"]["identical"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-ar.jsonl", "summary.json"]
+
+
+def test_build_tree_round_trip(assets, capsys, tmp_path):
+    tree_file = tmp_path / "tree.json"
+    code, out, err = run(capsys, "build-tree", "--drafter", assets["ckpt"], "--data", "sharegpt", "--data-path",
+                         FIXTURES / "sharegpt.json", "--split", "train", "--source", "greedy", "--greedy-tokens", "8",
+                         "--max-nodes", "6", "--sizes", "1,3,6", "--reps", "1", "--context", "16", "--dtype", "fp32",
+                         "--out", tree_file)
+    assert code == 0, err
+    written = json.loads(tree_file.read_text())
+    assert "chosen tree" in out and written["num_nodes"] == len(written["choices"]) + 1 <= 6
+    assert len(written["accuracy"]) == 2 and len(written["accuracy"][0]) == 10
+    tree = load_tree(tree_file, num_heads=2, topk=10)
+    assert [list(c) for c in tree.choices] == sorted(written["choices"], key=lambda p: (len(p), p))
+    assert written["expected_tokens_per_step"] == pytest.approx(
+        expected_accept_length(tree.choices, written["accuracy"]), rel=1e-4)
+    args = ("--prompt", "hello", "--max-new-tokens", "12")
+    assert generate_json(capsys, "--drafter", assets["ckpt"], "--tree", tree_file, *args)["token_ids"] == \
+        generate_json(capsys, "--base", assets["model"], *args)["token_ids"]
+
+
+@pytest.mark.parametrize("case", ["temperature", "tree", "drafter", "chat", "questions", "question_line", "source"])
+def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
+    bad_tree = tmp_path / "bad.json"
+    bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
+    bad_questions = tmp_path / "q.jsonl"
+    bad_questions.write_text(json.dumps(QUESTIONS[0]) + "\n{\"question_id\": 2, \"turns\": []}\n")
+    gen = ("generate", "--drafter", assets["ckpt"], "--max-new-tokens", "2")
+    argv, needle = {
+        "temperature": ((*gen, "--prompt", "x", "--temperature", "-1"), "--temperature"),
+        "tree": ((*gen, "--prompt", "x", "--tree", bad_tree), "bad.json: entry 1 [0, 0, 0]"),
+        "drafter": (("generate", "--drafter", tmp_path / "nope", "--prompt", "x"), "nope"),
+        "chat": ((*gen, "--chat", "[1, 2"), "not valid JSON"),
+        "questions": (("bench", "--drafter", assets["ckpt"], "--questions", tmp_path / "missing.jsonl"), "missing"),
+        "question_line": (("bench", "--drafter", assets["ckpt"], "--questions", bad_questions), "q.jsonl:2"),
+        "source": (("build-tree", "--drafter", assets["ckpt"], "--source", "oracle"), "--source"),
+    }[case]
+    try:
+        code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Loading weights" not in ln]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_stream_holds_back_partial_stop_strings():
+    tok = tiny_tokenizer()
+    ids = tok("hello world, hello there! Have a nice day.", add_special_tokens=False)["input_ids"]
+    written = []
+    stream = TextStream(tok, ["there!"], written.append)
+    stopped_at = next(i for i in range(len(ids)) if stream(0, ids[i : i + 1]))
+    text, kept = stream.finish(ids[: stopped_at + 1])
+    assert text == "hello world, hello " and "".join(written) == text
+    assert "there!" in tok.decode(kept) and "there!" not in tok.decode(kept[:-1])
+
+
+def test_read_questions_names_the_line(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n\nnot json\n")
+    with pytest.raises(UsageError, match=r"q\.jsonl:3: not valid JSON"):
+        read_questions(path)
+    path.write_text(json.dumps(QUESTIONS[1]) + "\n")
+    assert read_questions(path)[0].turns == tuple(QUESTIONS[1]["turns"])
+
+
+def turn(tokens, wall, forwards, accepted, forward_s=None):
+    times = None if forward_s is None else StepTimes(0.0, 0.0, forward_s, 0.0, 0.0, 0.0)
+    return TurnResult(tuple(tokens), "", wall, forwards, tuple(accepted), times)
+
+
+def test_summary_arithmetic():
+    """Drafter: 8 tokens in 4 forwards, 1 s; AR: the same 8 tokens in 8 forwards, 2 s; HF: other tokens, 4 s."""
+    answers = {
+        "drafter": [Answer(1, "a", (turn(range(8), 1.0, 4, (1, 1, 2), forward_s=0.6),))],
+        "ar": [Answer(1, "a", (turn(range(8), 2.0, 8, (0,) * 7, forward_s=1.4),))],
+        "hf": [Answer(1, "a", (turn([9] * 8, 4.0, 8, (0,) * 7),))],
+    }
+    s = summarize(answers, "drafter", greedy=True)
+    assert s["tau"] == 2.0 and s["speedup_vs_ar"] == 2.0 and s["speedup_vs_hf"] == 4.0 and s["ar_vs_hf"] == 2.0
+    ideal = 2.0 * (1.4 / 7) / (0.6 / 3)  # tau x t_AR_step / t_tree_forward
+    assert s["ideal_speedup"] == pytest.approx(ideal) and s["engine_efficiency"] == pytest.approx(2.0 / ideal)
+    check = s["greedy_check"]
+    assert check["mismatches_drafter_vs_ar"] == 0 and check["mismatches_drafter_vs_hf"] == 1
+    assert check["identical"] is False and check["mismatched_questions_ar_vs_hf"] == [1]
+    assert s["categories"]["a"]["speedup"] == 2.0
+    assert summarize(answers, "drafter", greedy=False)["greedy_check"] is None
+
+
+def test_rank_counter_equals_brute_force():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(50, 12), torch.randint(12, (50,))
+    targets[::7] = -100
+    counter = RankCounter(num_heads=1, topk=4)
+    counter.add(0, logits, targets)
+    scored = [(row, t) for row, t in zip(logits.tolist(), targets.tolist()) if t != -100]
+    for r in range(4):
+        brute = sum(sorted(range(12), key=lambda v: -row[v])[r] == t for row, t in scored) / len(scored)
+        assert counter.accuracy()[0][r] == pytest.approx(brute)
+
+
+def test_cost_curve_and_tree_plan():
+    curve = CostCurve((1, 4, 16), (1.0, 1.0, 4.0))
+    assert curve(2) == 1.0 and curve(10) == pytest.approx(2.5) and curve(32) == pytest.approx(8.0)
+    noisy = CostCurve((1, 2, 4, 8), (3.0, 1.0, 2.0, 5.0)).monotone()
+    assert noisy.seconds == (2.0, 2.0, 2.0, 5.0) and curve.monotone() == curve
+    accuracy = [[0.7, 0.2, 0.05], [0.6, 0.2, 0.05]]
+    flat = plan_tree(accuracy, CostCurve((1, 64), (1.0, 1.0)), (0.0, 0.0), max_nodes=8)
+    steep = plan_tree(accuracy, CostCurve((1, 2), (1.0, 2.0)), (0.0, 0.0), max_nodes=8)
+    assert flat.num_nodes == 8 and steep.num_nodes < flat.num_nodes
+    assert flat.predicted_speedup == pytest.approx(flat.expected_tokens)  # step cost = plain step
+    costly_heads = plan_tree(accuracy, CostCurve((1, 64), (1.0, 1.0)), (0.05, 10.0), max_nodes=8)
+    assert costly_heads.depth == 1 and math.isclose(costly_heads.step_seconds, 1.05)
