@@ -1,0 +1,95 @@
+"""Prompt lookup decoding: draft by copying what followed the latest earlier occurrence of the current suffix.
+
+Dimension letters: B batch, K tree nodes (root included).
+
+Training-free (Saxena 2023, "prompt lookup decoding"; the n-gram proposer of vLLM / HF assisted generation). Per
+row the context is the prompt plus every committed token, `state.root` last. The longest suffix of length n in
+max_ngram..min_ngram that occurred before gives the draft: the γ tokens that followed its most recent earlier
+occurrence, as a chain. Each row keeps a hash index n-gram -> end of its latest occurrence that has a next token,
+updated with the committed tokens, so a lookup costs O(max_ngram) whatever the length of the context.
+
+Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
+the one-hot rule (inference.verify) keep the output exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from inference.drafters import DecodeState, Draft
+from inference.token_tree import TreeCache, paths_draft, row_prompts
+from inference.verify import VerifyResult
+
+
+class NgramIndex:
+    """Latest occurrence of every n-gram (min_n <= n <= max_n) of one growing sequence that has a next token."""
+
+    def __init__(self, max_n: int, min_n: int = 1) -> None:
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        self._end: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token, latest occurrence
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens; each n-gram ending just before a new token becomes findable."""
+        for token in tokens:
+            j = len(self.tokens) - 1  # the n-grams ending at j now have a next token
+            for n in range(self.min_n, min(self.max_n, j + 1) + 1):
+                self._end[tuple(self.tokens[j - n + 1 : j + 1])] = j
+            self.tokens.append(token)
+
+    def lookup(self, length: int) -> list[int]:
+        """Up to `length` tokens continuing the sequence, from the longest suffix with an earlier occurrence;
+        [] when no suffix of min_n..max_n tokens occurred before. Past the end of the sequence the draft repeats
+        with the match's period (an occurrence d tokens back means the tail has period d), so a repetition loop
+        drafts `length` tokens instead of stopping at the sequence end."""
+        seq = self.tokens
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            end = self._end.get(tuple(seq[len(seq) - n :]))
+            if end is not None:
+                period = len(seq) - 1 - end
+                draft = seq[end + 1 : end + 1 + length]
+                while len(draft) < length:
+                    draft.append(draft[len(draft) - period])
+                return draft
+        return []
+
+
+@dataclass(eq=False)
+class LookupRun:
+    """One generation's state (kept in DecodeState.drafter_state): an index per row over prompt + committed tokens."""
+
+    rows: list[NgramIndex]
+    prompt_lens: list[int]
+
+
+class PromptLookupDrafter:
+    """A chain of up to `num_draft` tokens per row from an `NgramIndex` over that row's prompt and output. Rows
+    without a match contribute no nodes (fillers where other rows drafted; a root-only tree when none did)."""
+
+    needs_hidden = False
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 8) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt_lookup: need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
+                             f"max_ngram={max_ngram}")
+        if num_draft < 1:
+            raise ValueError(f"prompt_lookup: num_draft must be >= 1, got {num_draft}")
+        self.max_ngram, self.min_ngram, self.num_draft = max_ngram, min_ngram, num_draft
+        self._trees = TreeCache()
+
+    def propose(self, state: DecodeState) -> Draft:
+        if state.drafter_state is None:  # first step of a generation
+            prompts = row_prompts(state)
+            state.drafter_state = LookupRun([NgramIndex(self.max_ngram, self.min_ngram) for _ in prompts],
+                                            [len(p) for p in prompts])
+            for index, prompt, tokens in zip(state.drafter_state.rows, prompts, state.generated):
+                index.extend(prompt + tokens)
+        chains = [index.lookup(self.num_draft) for index in state.drafter_state.rows]
+        return paths_draft(state.root, [[c] if c else [] for c in chains], self.num_draft, self._trees)
+
+    def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
+        """Index the tokens this step committed."""
+        run: LookupRun = state.drafter_state
+        for index, prompt_len, tokens in zip(run.rows, run.prompt_lens, state.generated):
+            index.extend(tokens[len(index.tokens) - prompt_len :])
