@@ -171,7 +171,8 @@ def guard_summary(metrics: dict[str, float], max_increase: float, prefix: str = 
         "base-model quality guard (held-out chats)",
         f"  {'':30}{'before':>10}{'after':>10}",
         f"  {'LM loss':30}{get('guard_loss_before'):10.4f}{get('guard_loss_after'):10.4f}",
-        f"  {'perplexity':30}{get('guard_ppl_before'):10.3f}{get('guard_ppl_after'):10.3f}  ({get('guard_ppl_increase'):+.2%})",
+        f"  {'perplexity':30}{get('guard_ppl_before'):10.3f}{get('guard_ppl_after'):10.3f}"
+        f"  ({get('guard_ppl_increase'):+.2%})",
         f"  {'greedy agreement with original':30}{get('guard_greedy_agreement'):20.3f}",
     ]
     if degraded(metrics, max_increase, prefix):

@@ -1,0 +1,259 @@
+"""Self-distillation data: the target's own answers to a dataset's prompts, written as ShareGPT JSONL that
+`data=sharegpt` reads (Medusa paper §2.3.3: train Medusa-2 on what the model itself says, so the heads learn its
+distribution and the LM loss does not pull the backbone towards another model's answers).
+
+Each conversation keeps its system and user turns; every assistant turn is regenerated in order, turn j seeing the
+model's own answers to the turns before it (a trailing user turn gets an answer too). Generation goes through the
+draftsmith engine (inference.api.Engine: plain decoding, or lossless speculative decoding with a drafter), batched over
+conversations at the same turn, left-padded.
+
+Resumable: each finished conversation is appended as one line {"id", "conversations", "finish"}; a restart skips the
+ids already in the file (a torn last line from a crash is cut off first). Ids are "<file name>:<record number>".
+Conversations whose regenerated answer is empty are not written (the ShareGPT reader rejects empty turns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from data.chat import Conversation, encode_prompt
+
+log = logging.getLogger("draftsmith.self_distill")
+
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    max_new_tokens: int = 512
+    batch_size: int = 8
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    max_turns: int | None = None  # regenerate at most this many assistant turns per conversation (None: all)
+    max_prompt_tokens: int = 2048  # a conversation whose next prompt is longer is dropped (counted)
+    chat_template: str | None = None  # data.templates name or Jinja string; None: the tokenizer's own
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DistillStats:
+    written: int
+    already_done: int
+    too_long: int
+    empty: int
+    truncated_turns: int  # answers cut by max_new_tokens (kept, marked "length" in "finish")
+
+
+@dataclass
+class _Row:
+    id: str
+    script: Conversation  # the original without assistant contents: slots to fill, in order
+    messages: Conversation  # what has been produced so far
+    finish: list[str]  # per answer: "stop" (EOS) or "length" (max_new_tokens)
+    next: int = 0  # index into script of the next message to append
+    dropped: bool = False  # a prompt grew past max_prompt_tokens
+
+
+def record_id(source: str) -> str:
+    """"<path>:<record>" (data.readers source) -> "<file name>:<record>": stable when the folder moves."""
+    where, _, record = source.rpartition(":")
+    return f"{Path(where).name}:{record}"
+
+
+def script_of(conversation: Conversation, max_turns: int | None = None) -> Conversation:
+    """The messages to replay: assistant turns become empty slots; a trailing user turn gets a slot; cut after
+    `max_turns` slots."""
+    script: Conversation = []
+    slots = 0
+    for message in conversation:
+        if message["role"] == "assistant":
+            if not script or script[-1]["role"] == "assistant":
+                continue  # an answer without a question before it
+            script.append({"role": "assistant", "content": ""})
+            slots += 1
+            if max_turns is not None and slots >= max_turns:
+                return script
+        else:
+            script.append(dict(message))
+    if script and script[-1]["role"] != "assistant" and (max_turns is None or slots < max_turns):
+        script.append({"role": "assistant", "content": ""})
+    return script
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already written to `output`; a torn last line (no newline, or not JSON) is cut from the file first."""
+    if not output.is_file():
+        return set()
+    data = output.read_bytes()
+    complete = data.rfind(b"\n") + 1  # bytes up to the end of the last complete line
+    ids = set()
+    for lineno, line in enumerate(data[:complete].split(b"\n")[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            ids.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{output}:{lineno}: not a self-distillation record ({err}); move the file away") from None
+    if complete < len(data):
+        log.warning("%s: cutting a torn last line (%d bytes) left by an interrupted run", output, len(data) - complete)
+        with open(output, "r+b") as f:
+            f.truncate(complete)
+    return ids
+
+
+def sharegpt_record(row: _Row) -> dict[str, Any]:
+    turns = [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in row.messages]
+    return {"id": row.id, "conversations": turns, "finish": row.finish}
+
+
+def self_distill(
+    engine: Any,
+    tokenizer: Any,
+    conversations: list[tuple[str, Conversation]],
+    output: Path,
+    config: DistillConfig = DistillConfig(),
+) -> DistillStats:
+    """Regenerate the assistant turns of `conversations` ((id, conversation) pairs) with `engine`
+    (an inference.api.Engine) and append them to `output`, skipping ids already there."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = done_ids(output)
+    todo = [_Row(id=i, script=script_of(c, config.max_turns), messages=[], finish=[]) for i, c in conversations
+            if i not in done]
+    eos = set(_eos_ids(engine.model, tokenizer))
+    written = too_long = empty = truncated = 0
+    with open(output, "a", encoding="utf-8") as out:
+        for start in range(0, len(todo), config.batch_size):
+            rows = todo[start : start + config.batch_size]
+            while True:  # one turn of every row that still has an answer due
+                active, prompts = [], []
+                for row in rows:
+                    if row.dropped or not _advance(row):
+                        continue
+                    ids = encode_prompt(tokenizer, row.messages, chat_template=config.chat_template)
+                    if len(ids) > config.max_prompt_tokens:
+                        row.dropped = True
+                        too_long += 1
+                        continue
+                    active.append(row)
+                    prompts.append(ids)
+                if not active:
+                    break
+                result = engine.generate(prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                         top_k=config.top_k, top_p=config.top_p, seed=config.seed + start)
+                for row, tokens in zip(active, result.sequences):
+                    stopped = bool(tokens) and tokens[-1] in eos
+                    truncated += not stopped
+                    text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                    row.messages.append({"role": "assistant", "content": text})
+                    row.finish.append("stop" if stopped else "length")
+                    row.next += 1
+            for row in rows:
+                if row.dropped:
+                    continue
+                if any(m["role"] == "assistant" and not m["content"] for m in row.messages):
+                    empty += 1
+                    continue
+                out.write(json.dumps(sharegpt_record(row), ensure_ascii=False) + "\n")
+                written += 1
+            out.flush()
+            os.fsync(out.fileno())
+            log.info("%d / %d conversations done", min(start + config.batch_size, len(todo)), len(todo))
+    return DistillStats(written=written, already_done=len(conversations) - len(todo), too_long=too_long, empty=empty,
+                        truncated_turns=truncated)
+
+
+def _advance(row: _Row) -> bool:
+    """Copy the script's next non-assistant messages into `row.messages`; True when an answer is due."""
+    while row.next < len(row.script) and row.script[row.next]["role"] != "assistant":
+        row.messages.append(row.script[row.next])
+        row.next += 1
+    return row.next < len(row.script)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [int(eos)]
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python scripts/self_distill.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="conf/model name (e.g. vicuna7b), local directory, hub id or builtin:<name>")
+    p.add_argument("--data", required=True, help="prompts: a file / folder / hub dataset (see data.readers)")
+    p.add_argument("--format", default="sharegpt", choices=("sharegpt", "alpaca", "gsm8k"))
+    p.add_argument("--output", required=True, type=Path, help="ShareGPT JSONL, appended to (resumable)")
+    p.add_argument("--drafter", default=None, help="a draftsmith drafter checkpoint: lossless speculative decoding")
+    p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
+    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
+    p.add_argument("--temperature", type=float, default=DistillConfig.temperature)
+    p.add_argument("--top-k", type=int, default=DistillConfig.top_k)
+    p.add_argument("--top-p", type=float, default=DistillConfig.top_p)
+    p.add_argument("--max-turns", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=DistillConfig.max_prompt_tokens)
+    p.add_argument("--max-samples", type=int, default=None, help="only the first N conversations")
+    p.add_argument("--chat-template", default=None)
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: the conf/model's, else bf16)")
+    p.add_argument("--quantization", default=None, choices=(None, "nf4"))
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--on-error", default="raise", choices=("raise", "skip"), help="bad input records")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def model_settings(name: str) -> dict[str, Any]:
+    """--model as a conf/model/<name>.yaml (path, dtype, chat_template) or as a path/hub id."""
+    from importlib import resources
+
+    conf = resources.files("conf").joinpath("model", f"{name}.yaml")
+    if not conf.is_file():
+        return {"path": name, "dtype": None, "chat_template": None}
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.load(str(conf))
+    return {"path": c.path, "dtype": c.get("dtype"), "chat_template": c.get("chat_template")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from data.readers import DataError, read_conversations
+    from data.templates import ChatTemplateError
+    from inference.api import load
+    from models.checkpoint import CheckpointError
+    from models.loading import ModelLoadError, load_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    settings = model_settings(args.model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = DistillConfig(
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
+        chat_template=args.chat_template or settings["chat_template"], seed=args.seed,
+    )
+    try:
+        records = read_conversations(args.data, args.format, on_error=args.on_error)
+        conversations = [(record_id(s), c) for s, c in zip(records.sources, records.conversations)][: args.max_samples]
+        tokenizer = load_tokenizer(settings["path"], config.chat_template)
+        engine = load(args.drafter, base=settings["path"], dtype=args.dtype or settings["dtype"] or "bf16",
+                      device=device, quantization=args.quantization)
+        stats = self_distill(engine, tokenizer, conversations, args.output, config)
+    except (DataError, ChatTemplateError, CheckpointError, ModelLoadError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"{args.output}: {stats.written} conversations written, {stats.already_done} already done, "
+          f"{stats.too_long} over --max-prompt-tokens, {stats.empty} with an empty answer (not written), "
+          f"{stats.truncated_turns} answers cut at --max-new-tokens", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

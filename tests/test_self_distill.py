@@ -1,0 +1,100 @@
+"""Self-distillation data: ShareGPT JSONL that data=sharegpt reads, batched == one by one, resumable, multi-turn."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.chat import encode_prompt
+from data.readers import read_conversations
+from inference.api import Engine
+from inference.drafters import NoDrafter
+from inference.self_distill import DistillConfig, done_ids, main, record_id, script_of, self_distill
+from models.loading import load_target, load_tokenizer
+from tests.model_support import save_tiny_model
+
+USER_TURNS = ["hello world", "what is two plus three", "have a nice day", "the quick brown fox", "who are you",
+              "translate to French", "describe a process"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("models") / "llama", seed=3)
+    return path, Engine(load_target(str(path), dtype="fp32"), NoDrafter()), load_tokenizer(str(path))
+
+
+def conversations() -> list[tuple[str, list[dict]]]:
+    convs = [[{"role": "user", "content": u}, {"role": "assistant", "content": "old answer"}] for u in USER_TURNS[:5]]
+    convs[1] = [{"role": "system", "content": "Be nice."}, *convs[1],  # two turns: the second sees the new first answer
+                {"role": "user", "content": USER_TURNS[5]}, {"role": "assistant", "content": "old"}]
+    convs[2] = [{"role": "user", "content": USER_TURNS[6]}]  # a trailing question gets an answer too
+    return [(f"src.json:{i + 1}", c) for i, c in enumerate(convs)]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_script_of():
+    conv = [{"role": "assistant", "content": "orphan"}, {"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "x"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "y"},
+            {"role": "user", "content": "c"}]
+    roles = lambda s: [(m["role"], m["content"]) for m in s]  # noqa: E731
+    assert roles(script_of(conv)) == [("system", "s"), ("user", "a"), ("assistant", ""), ("user", "b"), ("assistant", ""),
+                                      ("user", "c"), ("assistant", "")]
+    assert roles(script_of(conv, max_turns=1)) == [("system", "s"), ("user", "a"), ("assistant", "")]
+    assert record_id("/data/a/chats.json:17") == "chats.json:17" and record_id("org/ds:main[train]:3") == "ds:main[train]:3"
+
+
+def test_batched_equals_one_by_one_and_reads_as_sharegpt(setup, tmp_path):
+    path, engine, tokenizer = setup
+    config = DistillConfig(max_new_tokens=6, batch_size=3)
+    stats = self_distill(engine, tokenizer, conversations(), tmp_path / "batched.jsonl", config)
+    self_distill(engine, tokenizer, conversations(), tmp_path / "single.jsonl", DistillConfig(max_new_tokens=6, batch_size=1))
+    batched, single = read_jsonl(tmp_path / "batched.jsonl"), read_jsonl(tmp_path / "single.jsonl")
+    assert stats.written == len(batched) == 5
+    assert stats.truncated_turns + sum(r["finish"].count("stop") for r in batched) == 6  # 6 answers in all
+    assert sorted(batched, key=lambda r: r["id"]) == sorted(single, key=lambda r: r["id"])
+
+    read = read_conversations(tmp_path / "batched.jsonl", "sharegpt")  # what data=sharegpt trains on
+    assert len(read.conversations) == 5
+    two_turns = next(r for r in batched if r["id"] == "src.json:2")
+    assert [t["from"] for t in two_turns["conversations"]] == ["system", "human", "gpt", "human", "gpt"]
+    assert all(t["value"] not in ("old", "old answer") for t in two_turns["conversations"])
+    # The second answer is the model's greedy reply to the conversation holding its own first answer.
+    history = [{"role": {"system": "system", "human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+               for t in two_turns["conversations"][:4]]
+    tokens = engine.generate(encode_prompt(tokenizer, history), max_new_tokens=6).sequences[0]
+    assert two_turns["conversations"][4]["value"] == tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    assert [t["from"] for t in next(r for r in batched if r["id"] == "src.json:3")["conversations"]] == ["human", "gpt"]
+
+
+def test_resume_skips_done_ids_and_cuts_a_torn_line(setup, tmp_path):
+    path, engine, tokenizer = setup
+    out = tmp_path / "out.jsonl"
+    config = DistillConfig(max_new_tokens=4, batch_size=2)
+    self_distill(engine, tokenizer, conversations()[:2], out, config)
+    with open(out, "a") as f:
+        f.write('{"id": "src.json:3", "conversa')  # killed mid-write
+    assert done_ids(out) == {"src.json:1", "src.json:2"}
+    stats = self_distill(engine, tokenizer, conversations(), out, config)
+    assert stats.already_done == 2 and stats.written == 3
+    ids = [r["id"] for r in read_jsonl(out)]
+    assert sorted(ids) == [f"src.json:{i}" for i in range(1, 6)]
+
+
+def test_cli_writes_and_reports_bad_input_in_one_line(setup, tmp_path, capsys):
+    path, _, _ = setup
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": u}, {"from": "gpt", "value": "x"}]})
+                              for u in USER_TURNS[:3]) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["--model", str(path), "--data", str(data), "--output", str(out), "--max-new-tokens", "4", "--dtype", "fp32",
+            "--device", "cpu"]
+    assert main(args) == 0
+    assert [r["id"] for r in read_jsonl(out)] == ["in.jsonl:1", "in.jsonl:2", "in.jsonl:3"]
+    assert "3 conversations written" in capsys.readouterr().out
+    assert main([*args[:3], str(tmp_path / "missing.jsonl"), *args[4:]]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "missing.jsonl" in err[0]
