@@ -1,0 +1,111 @@
+"""Jacobi trajectory collection (resumable) and `python -m train cllm` end to end on a tiny random model; the
+checkpoint serves through `inference.load` with Jacobi output == greedy."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.jacobi import main as collect_main
+from data.jacobi import read_records
+from inference import Engine, NoDrafter, load
+from tests.model_support import save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cllm")
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
+    chats = [{"id": str(i), "conversations": [{"from": "human", "value": pick(5)}, {"from": "gpt", "value": pick(12)}]}
+             for i in range(16)]
+    (root / "chats.json").write_text(json.dumps(chats))
+    return {"model": save_tiny_model(root / "model"), "chats": root / "chats.json", "root": root}
+
+
+def collect(setup, output: Path, *extra: str) -> int:
+    return collect_main(["--model", str(setup["model"]), "--output", str(output), "--data", "sharegpt",
+                         f"data.path={setup['chats']}", "--block-size", "4", "--max-new-tokens", "8",
+                         "--max-prompts", "8", "--batch-size", "4", *extra])
+
+
+def test_collection_resumes_and_reproduces_greedy(setup, single_thread, capsys):
+    output = setup["root"] / "resume.jsonl"
+    assert collect(setup, output, "--max-prompts", "3") == 0
+    lines = output.read_text().splitlines()
+    output.write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])  # an interrupted write
+    assert collect(setup, output) == 0
+    records = read_records(output)
+    assert [r["id"] for r in records] == [f"train:{i}" for i in range(8)]
+    out = capsys.readouterr().out
+    assert "3 new records" in out and "6 new records" in out  # the torn one was redone, the 2 done ones skipped
+    engine = load(None, base=str(setup["model"]), dtype="fp32")
+    for record in records[:3]:
+        answer = [t for b in record["blocks"] for t in b["states"][-1]]
+        greedy = engine.generate(record["prompt_ids"], max_new_tokens=len(answer), ignore_eos=True).sequences[0]
+        assert answer == greedy  # the fixed points are the greedy continuation
+        assert all(len(b["states"]) <= 5 for b in record["blocks"])
+    jacobi = load("jacobi:n=3,init=repeat", base=str(setup["model"]), dtype="fp32")  # by name, for any model
+    prompts = [r["prompt_ids"] for r in records[:3]]
+    assert (jacobi.generate(prompts, max_new_tokens=10, ignore_eos=True).sequences
+            == engine.generate(prompts, max_new_tokens=10, ignore_eos=True).sequences)
+    with pytest.raises(ValueError, match="needs base="):
+        load("jacobi")
+
+
+def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
+    trajectories = tmp_path / "traj.jsonl"
+    assert collect(setup, trajectories) == 0
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "train", "cllm", "+model=tiny", f"model.path={setup['model']}", "model.dtype=fp32",
+        f"method.trajectories={trajectories}", "method.lora_r=4", "method.consistency=local",
+        "method.divergence=soft_ce", "data=sharegpt", f"data.path={setup['chats']}", "data.validation_fraction=0.25",
+        "training.max_steps=2", "training.per_device_train_batch_size=4", "training.logging_steps=1",
+        "eval.greedy_prompts=1", "eval.greedy_new_tokens=8", "logger=none", f"output_dir={out}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "Jacobi tokens per step" in result.stdout and "validation perplexity" in result.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["drafter_type"] == "cllm" and config["block_size"] == 4
+    assert config["backbone"]["format"] == "lora_adapter" and config["training"]["global_step"] == 2
+    engine = load(out, dtype="fp32")
+    greedy = load(None, base=str(setup["model"]), dtype="fp32")
+    prompts = [[1, 5, 206, 80, 90], [1, 5, 206, 80, 90, 228, 349]]
+    jacobi = engine.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    plain = Engine(engine.model, NoDrafter()).generate(prompts, max_new_tokens=12, ignore_eos=True)
+    assert jacobi.sequences == plain.sequences
+    assert engine.drafter.options.block_size == 4
+    # the adapter is applied: the served model is the fine-tuned one, not the base (some weight differs)
+    base_sd, tuned_sd = greedy.model.state_dict(), engine.model.state_dict()
+    assert any(not torch.equal(base_sd[k], tuned_sd[k]) for k in base_sd)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("method.trajectories=null", "method.trajectories is not set"),
+    ("method.divergence=js", "method.divergence='js'"),
+    ("method.consistency=both", "method.consistency='both'"),
+    ("method.ar_source=gold", "method.ar_source='gold'"),
+])
+def test_bad_method_settings_fail_in_one_line(override, message):
+    from hydra import compose, initialize_config_module
+
+    from train.cli import UsageError
+    from train.cllm import check_options
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["method=cllm", "+model=tiny", "method.trajectories=t.jsonl",
+                                                      override])
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        check_options(cfg)

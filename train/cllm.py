@@ -1,0 +1,279 @@
+"""CLLM: consistency training for Jacobi decoding (Kou et al. 2024, "CLLMs: Consistency Large Language Models").
+
+The target itself is fine-tuned (LoRA, QLoRA with model.quantization=nf4, or full) so that from any Jacobi state y of
+a block it predicts the block's fixed point y* in one iteration. Per sample (prefix x, state y, next state y', y*):
+
+    global consistency (Eq. 5):  L_GC = Σ_i D(q_θ⁻(· | x, y*_<i) ‖ q_θ(· | x, y_<i))
+    local consistency  (Eq. 6):  L_LC = Σ_i D(q_θ⁻(· | x, y'_<i) ‖ q_θ(· | x, y_<i))
+    L = consistency_weight · L_C + ar_weight · L_AR       (Eq. 7; one backward per step)
+
+θ⁻ is the same model without gradient (detached teacher logits). D is forward KL (`divergence=kl`) or the
+cross-entropy to the teacher distribution (`soft_ce`: same gradient, without the teacher's entropy). Both are
+averaged over the B·N block tokens. L_AR is next-token CE on the target's own greedy answer (`ar_source=
+target_output`: the concatenated fixed points) or the data's reply (`ground_truth`). Trajectories come from
+`python -m data.jacobi`; data.validation_fraction / data.seed hold out records for evaluation, and the `data`
+config's validation prompts (eval.greedy_prompts) measure Jacobi tokens per step before/after training.
+Dimension letters: B batch, T time, N block size, V vocab, D hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F
+
+from data.datasets import in_validation
+from data.jacobi import AR_SOURCES, TrajectoryCollator, TrajectoryDataset, read_records
+from data.readers import DataError
+from inference.jacobi import INITS
+from models.backbone import final_hidden
+from models.checkpoint import CheckpointError, backbone_folder, save_model_drafter
+from train.base import StepOutput
+from train.cli import UsageError
+from train.medusa2_backbone import (
+    BACKBONES, BackboneOptions, backbone_writer, is_lora, load_backbone_weights, original_model, prepare_backbone)
+from train.quality_guard import eval_mode, scored_logits
+
+CONSISTENCY = ("global", "local")
+DIVERGENCES = ("kl", "soft_ce")
+
+
+def block_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, block_start: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Logits [B, N, V] predicting the N block tokens of right-padded rows [B, T] whose block starts at
+    block_start [B]: the positions block_start - 1 .. block_start + N - 2 (only those are projected)."""
+    hidden = final_hidden(model, input_ids, attention_mask)  # [B, T, D]
+    index = block_start[:, None] - 1 + torch.arange(block_size, device=hidden.device)  # [B, N]
+    picked = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, N, D]
+    lm_head = model.get_output_embeddings()
+    return lm_head(picked.to(lm_head.weight.dtype)).float()
+
+
+def consistency_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, divergence: str) -> torch.Tensor:
+    """Mean over the B·N block tokens of D(softmax(teacher) ‖ softmax(logits)); both [B, N, V], teacher detached."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {divergence!r}")
+    log_q = F.log_softmax(logits.float(), -1)
+    log_p = F.log_softmax(teacher_logits.detach().float(), -1)
+    per_token = (log_p.exp() * ((log_p if divergence == "kl" else 0.0) - log_q)).sum(-1)  # [B, N]
+    return per_token.mean()
+
+
+def ar_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+            ) -> torch.Tensor:
+    """Mean next-token CE over the trained (labels != -100) tokens."""
+    logits, targets = scored_logits(model, input_ids, attention_mask, labels)  # [M, V], [M]
+    if targets.numel() == 0:
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits, targets)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    consistency: str = "global"
+    divergence: str = "kl"
+    consistency_weight: float = 1.0
+    ar_weight: float = 1.0
+
+
+def cllm_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings: LossSettings) -> StepOutput:
+    """L = consistency_weight · L_C + ar_weight · L_AR (module docstring) for one TrajectoryCollator batch. The
+    teacher forward runs without gradient, in eval mode (no dropout; 4-bit layers stay trainable)."""
+    n = _block_size(batch)
+    teacher_ids = batch["fixed_ids"] if settings.consistency == "global" else batch["next_ids"]
+    with torch.no_grad(), eval_mode(model):
+        teacher = block_logits(model, teacher_ids, batch["attention_mask"], batch["block_start"], n)
+    logits = block_logits(model, batch["input_ids"], batch["attention_mask"], batch["block_start"], n)
+    consistency = consistency_loss(logits, teacher, settings.divergence)
+    loss = settings.consistency_weight * consistency
+    metrics = {"consistency_loss": consistency.detach()}
+    if settings.ar_weight:
+        ar = ar_loss(model, batch["ar_input_ids"], batch["ar_attention_mask"], batch["ar_labels"])
+        loss = loss + settings.ar_weight * ar
+        metrics["ar_loss"] = ar.detach()
+    return StepOutput(loss=loss, metrics=metrics)
+
+
+def _block_size(batch: dict[str, torch.Tensor]) -> int:
+    """N: every row is prefix + N block tokens, so N = row length - block_start (same for all rows)."""
+    lengths = batch["attention_mask"].sum(-1) - batch["block_start"]  # [B]
+    return int(lengths[0])
+
+
+@dataclass(frozen=True)
+class SplitTrajectories:
+    train: TrajectoryDataset
+    validation: TrajectoryDataset | None
+
+
+def check_options(cfg: DictConfig) -> None:
+    """Reject bad method settings in one line, before any model is loaded."""
+    m = cfg.method
+    quantized = cfg.model.quantization not in (None, "none")
+    problems = [
+        (not m.trajectories, "method.trajectories is not set: pass a JSONL written by `python -m data.jacobi`"),
+        (m.consistency not in CONSISTENCY, f"method.consistency={m.consistency!r}: choose one of {', '.join(CONSISTENCY)}"),
+        (m.divergence not in DIVERGENCES, f"method.divergence={m.divergence!r}: choose one of {', '.join(DIVERGENCES)}"),
+        (m.ar_source not in AR_SOURCES, f"method.ar_source={m.ar_source!r}: choose one of {', '.join(AR_SOURCES)}"),
+        (m.init not in INITS, f"method.init={m.init!r}: choose one of {', '.join(INITS)}"),
+        (m.backbone not in BACKBONES, f"method.backbone={m.backbone!r}: choose one of {', '.join(BACKBONES)}"),
+        (m.backbone == "full" and quantized,
+         "method.backbone=full cannot train 4-bit weights (model.quantization=nf4): use method.backbone=lora (QLoRA)"),
+        (m.consistency_weight < 0 or m.ar_weight < 0, "method.consistency_weight and method.ar_weight must be >= 0"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise UsageError(message)
+
+
+class Method:
+    """The target is the trained module (a peft model for LoRA); the checkpoint is that model or adapter."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        check_options(cfg)
+        self.cfg = cfg
+        self.m = cfg.method
+        self.settings = LossSettings(self.m.consistency, self.m.divergence, self.m.consistency_weight, self.m.ar_weight)
+        self.block_size: int | None = None  # read from the trajectories
+        self.reference: dict[str, float] | None = None  # the original model's eval numbers, computed once
+
+    def datasets(self, tokenizer: Any) -> SplitTrajectories:
+        """Trajectory records split like chat data: data.validation_fraction of them by a seeded hash of the index."""
+        records = read_records(self.m.trajectories)
+        if not records:
+            raise DataError(f"method.trajectories={self.m.trajectories}: no usable records")
+        sizes = {len(r["blocks"][0]["states"][0]) for r in records}
+        if len(sizes) != 1 or (self.m.block_size is not None and sizes != {self.m.block_size}):
+            raise DataError(f"method.trajectories={self.m.trajectories}: block sizes {sorted(sizes)}, expected one"
+                            + (f" equal to method.block_size={self.m.block_size}" if self.m.block_size else ""))
+        self.block_size = sizes.pop()
+        d = self.cfg.data
+        held = [in_validation(i, d.seed, d.validation_fraction) for i in range(len(records))]
+        train = [r for r, h in zip(records, held) if not h]
+        validation = [r for r, h in zip(records, held) if h]
+        if not train:
+            raise DataError(f"method.trajectories={self.m.trajectories}: every record went to validation "
+                            f"(data.validation_fraction={d.validation_fraction})")
+        return SplitTrajectories(TrajectoryDataset(train, self.m.ar_source),
+                                 TrajectoryDataset(validation, self.m.ar_source) if validation else None)
+
+    def collator(self, tokenizer: Any) -> TrajectoryCollator:
+        return TrajectoryCollator(tokenizer.pad_token_id)
+
+    def build(self, target: nn.Module, tokenizer: Any) -> nn.Module:
+        options = BackboneOptions(
+            kind=self.m.backbone,
+            quantized=self.cfg.model.quantization not in (None, "none"),
+            lora_r=self.m.lora_r,
+            lora_alpha=self.m.lora_alpha,
+            lora_dropout=self.m.lora_dropout,
+            lora_target_modules=tuple(self.m.lora_target_modules) if self.m.lora_target_modules else None,
+            gradient_checkpointing=self.m.gradient_checkpointing,
+        )
+        return prepare_backbone(target, options)
+
+    def forward_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
+        return cllm_loss(model, batch, self.settings)
+
+    def param_groups(self, model: nn.Module, learning_rate: float) -> None:
+        return None
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable, tokenizer: Any, prompts: list[list[int]]) -> dict[str, float]:
+        """Consistency and AR losses, AR perplexity and Jacobi tokens per step on the eval prompts, for the trained
+        model and (once) the original one; `jacobi_greedy_match` checks Jacobi output == greedy on the trained one."""
+        with eval_mode(model):
+            metrics = self.quality(model, batches, prompts, check_greedy=True)
+            if self.reference is None:
+                with original_model(model, self.load_original) as original:
+                    self.reference = self.quality(original, batches, prompts, check_greedy=False)
+        metrics.update({f"original_{k}": v for k, v in self.reference.items()})
+        return metrics
+
+    def quality(self, model: nn.Module, batches: Iterable, prompts: list[list[int]], check_greedy: bool
+                ) -> dict[str, float]:
+        from inference.drafters import NoDrafter
+        from inference.generate import DecodeConfig, generate
+        from inference.jacobi import JacobiDrafter, JacobiOptions
+
+        sums = {"consistency_loss": 0.0, "ar_loss": 0.0}
+        count = 0
+        device = model.get_input_embeddings().weight.device
+        for i, batch in enumerate(batches):
+            if self.cfg.eval.max_batches is not None and i >= self.cfg.eval.max_batches:
+                break
+            out = cllm_loss(model, {k: v.to(device) for k, v in batch.items()}, LossSettings(
+                self.m.consistency, self.m.divergence, 1.0, 1.0))
+            for key in sums:
+                sums[key] += float(out.metrics[key])
+            count += 1
+        metrics = {k: v / max(count, 1) for k, v in sums.items()}
+        metrics["ppl"] = float(torch.tensor(metrics["ar_loss"]).exp())
+        runner = model.get_base_model() if is_lora(model) else model  # LoRA layers live in the base model
+        drafter = JacobiDrafter(JacobiOptions(self.block_size or 16, self.m.init), pad_id(runner))
+        config = DecodeConfig(max_new_tokens=self.cfg.eval.greedy_new_tokens)
+        forwards = tokens = matches = 0
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = generate(runner, ids, drafter, config)
+            forwards, tokens = forwards + out.stats.steps, tokens + len(out.sequences[0]) - 1
+            if check_greedy:
+                matches += generate(runner, ids, NoDrafter(), config).sequences == out.sequences
+        if prompts:
+            metrics["jacobi_tokens_per_step"] = tokens / max(forwards, 1)
+            if check_greedy:
+                metrics["jacobi_greedy_match"] = matches / len(prompts)
+        return metrics
+
+    def load_original(self) -> nn.Module:
+        from models.loading import load_target
+
+        c = self.cfg.model
+        return load_target(c.path, dtype=c.dtype, quantization=c.quantization, double_quant=c.double_quant,
+                           attn_implementation=c.attn_implementation, trust_remote_code=c.trust_remote_code,
+                           revision=c.revision)
+
+    def report(self, metrics: dict[str, float]) -> str:
+        def get(key: str) -> str:
+            value = metrics.get(f"eval_{key}")
+            return "n/a" if value is None else f"{value:.4g}"
+
+        return "\n".join([
+            f"cllm: consistency loss {get('consistency_loss')} (original {get('original_consistency_loss')}), "
+            f"AR loss {get('ar_loss')}",
+            f"validation perplexity {get('ppl')} (original {get('original_ppl')})",
+            f"Jacobi tokens per step {get('jacobi_tokens_per_step')} (original "
+            f"{get('original_jacobi_tokens_per_step')}); fraction of eval prompts where Jacobi output == greedy: "
+            f"{get('jacobi_greedy_match')}",
+        ])
+
+    def save(self, model: nn.Module, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None:
+        """Trainer checkpoints keep the LoRA adapter (to resume); the final one is merged into a full backbone when
+        method.merge_adapter is set."""
+        final = Path(output_dir).resolve() == Path(self.cfg.output_dir).resolve()
+        load_base = self.load_unquantized if final and self.m.merge_adapter else None
+        settings = {"block_size": self.block_size or 16, "init": self.m.init}
+        save_model_drafter(output_dir, "cllm", self.cfg.model.path, backbone_writer(model, tokenizer, load_base),
+                           settings=settings, tokenizer=tokenizer, extra=extra)
+
+    def load_unquantized(self) -> nn.Module:
+        from models.loading import load_target
+
+        c = self.cfg.model
+        return load_target(c.path, dtype=c.dtype, attn_implementation=c.attn_implementation,
+                           trust_remote_code=c.trust_remote_code, revision=c.revision)
+
+    def load(self, model: nn.Module, checkpoint_dir: Path) -> None:
+        found = backbone_folder(checkpoint_dir)
+        if found is None:
+            raise CheckpointError(f"{checkpoint_dir}: no backbone in config.json; not a cllm checkpoint")
+        load_backbone_weights(model, *found)
+
+
+def pad_id(model: nn.Module) -> int:
+    return model.config.pad_token_id or 0
