@@ -1,0 +1,223 @@
+"""A small causal LM as the drafter: chain speculative decoding (Leviathan et al. 2023; Chen et al. 2023), optionally
+with several first-token candidates (multi-candidate drafting, SpecInfer / recursive rejection sampling).
+
+Dimension letters: B batch, S draft-cache slots, P pending tokens, T prompt length, k branches, V vocab.
+
+Each step the draft model proposes gamma tokens autoregressively (argmax at temperature 0, else sampled from q, its
+logits processed by the same `SamplingParams` as the target's), the target checks the draft in one forward and
+`inference.verify.verify_speculative` accepts each draft with min(1, p/q), so the output is distributed exactly as the
+target's own sampling. The draft model keeps ITS OWN KV cache, carried in `DecodeState.drafter_state` and kept in step
+with acceptance: committed tokens the draft model has not yet read are "pending" and are fed at the next propose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from inference.cache import additive, keep_nodes, new_cache
+from inference.drafters import DecodeState, Draft
+from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
+from inference.verify import VerifyResult, sample, target_probs
+from models.checkpoint import CONFIG_NAME, DrafterMismatchError, draft_model_folder
+from models.loading import BUILTIN_PREFIX, DTYPES
+
+DEFAULT_GAMMA = 4
+MAX_GAMMA = 32
+MAX_BRANCHES = 64
+
+
+@dataclass(eq=False)
+class DraftCache:
+    """The draft model's per-run state. Slot conventions follow inference.cache: `valid` marks real tokens."""
+
+    cache: DynamicCache  # draft keys/values of committed tokens, minus `pending`, plus the last step's drafts
+    valid: torch.Tensor  # [B, S] bool
+    pending: torch.Tensor  # [B, P] committed tokens the draft model has not read; the last column is state.root
+    pending_valid: torch.Tensor  # [B, P] bool: False marks a filler slot (a hole)
+    drafted: int = 0  # draft slots appended by the last propose: (gamma - 1) x branches
+
+
+def check_vocab(draft: nn.Module, target: nn.Module) -> None:
+    """Raise DrafterMismatchError unless draft and target score the same vocabulary (same logit width)."""
+    dv, tv = draft.get_output_embeddings().weight.shape[0], target.get_output_embeddings().weight.shape[0]
+    if dv != tv:
+        name = getattr(draft.config, "_name_or_path", "the draft model")
+        raise DrafterMismatchError(
+            f"draft model {name} has a vocabulary of {dv} tokens but the target "
+            f"{getattr(target.config, '_name_or_path', '')} has {tv}; a draft model must share the target's tokenizer"
+        )
+
+
+def branch_choices(branches: int, gamma: int) -> list[tuple[int, ...]]:
+    """`branches` candidates at depth 1, each continued as a chain to depth `gamma` (1 branch: a plain chain)."""
+    return [(i,) + (0,) * j for i in range(branches) for j in range(gamma)]
+
+
+class DraftModelDrafter:
+    """Drafts from a draft causal LM: `branches` candidates for the first token (top-k when greedy; else sampled
+    from q, without replacement unless `replacement`), each continued by the draft as a chain to depth `gamma`.
+    One branch is classic chain speculative decoding. Sampled drafts carry q in `Draft.probs`.
+
+    Draft cache layout per step: pending tokens, then the tree nodes of depths 1 .. gamma - 1 in node order (slot
+    `start + node - 1`); the deepest level is read at the next propose only if the target accepts it.
+    """
+
+    needs_hidden = False
+
+    def __init__(self, model: nn.Module, gamma: int = DEFAULT_GAMMA, branches: int = 1, replacement: bool = False) -> None:
+        if not 1 <= gamma <= MAX_GAMMA:
+            raise ValueError(f"gamma (draft tokens per step) must be in [1, {MAX_GAMMA}], got {gamma}")
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if not 1 <= branches <= min(vocab, MAX_BRANCHES):
+            raise ValueError(f"branches must be in [1, {min(vocab, MAX_BRANCHES)}], got {branches}")
+        self.model = model
+        self.gamma = gamma
+        self.branches = branches
+        self.replacement = replacement
+        device = model.get_input_embeddings().weight.device
+        self.tree: TreeBuffers = build_tree(branch_choices(branches, gamma), gamma, branches, device=device)
+
+    def propose(self, state: DecodeState) -> Draft:
+        run = state.drafter_state if isinstance(state.drafter_state, DraftCache) else self._start(state)
+        state.drafter_state = run
+        k, greedy = self.branches, state.sampling.greedy
+        after = run.pending_valid.long().flip(-1).cumsum(-1).flip(-1) - run.pending_valid.long()  # valid tokens after
+        logits = self._forward(run, run.pending, run.pending_valid, (state.next_pos[:, None] - after).clamp(min=0))
+        q = target_probs(logits[:, -1], state.sampling)  # [B, V]; one-hot of the argmax when greedy
+        levels, qs = [self._first(logits[:, -1], q, state)], [q[:, None]]  # [B, k] tokens, [B, 1, V]
+        ones = torch.ones_like(levels[0], dtype=torch.bool)
+        for d in range(1, self.gamma):  # read depth d (k tokens at once), draft depth d + 1
+            nodes = torch.arange((d - 1) * k + 1, d * k + 1, device=ones.device)
+            cols = None if k == 1 else self.tree.attn[nodes][:, 1 : d * k + 1]  # [k, this step's slots + k]
+            logits = self._forward(run, levels[-1], ones, state.next_pos[:, None] + d, cols, keep=k)  # [B, k, V]
+            q = target_probs(logits, state.sampling)  # [B, k, V]
+            levels.append(logits.argmax(-1) if greedy else sample(q, state.generator))
+            qs.append(q)
+        run.drafted = (self.gamma - 1) * k
+        tokens = torch.cat([state.root[:, None], *levels], dim=1)  # [B, 1 + gamma * k], node order
+        probs = None if greedy else torch.cat([*qs, torch.zeros_like(qs[-1][:, :1]).expand(-1, k, -1)], dim=1)
+        return Draft(tree=self.tree, tokens=tokens, probs=probs, replacement=self.replacement)
+
+    def _first(self, logits: torch.Tensor, q: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """[B, V] -> [B, k] first-level candidates: top-k when greedy, else k draws from q (Gumbel top-k without
+        replacement: Kool et al. 2019; tokens with q = 0 come last and the verifier never accepts them)."""
+        k = self.branches
+        if state.sampling.greedy:
+            return logits.topk(k, dim=-1).indices
+        if self.replacement or k == 1:
+            return torch.multinomial(q, k, replacement=True, generator=state.generator)
+        u = torch.rand(q.shape, generator=state.generator, device=q.device).clamp(min=1e-20)
+        return (q.log() - (-u.log()).log()).topk(k, dim=-1).indices
+
+    def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
+        """Keep the accepted path's slots, drop the rest; pending becomes [deepest draft if all accepted, new root]."""
+        run: DraftCache = state.drafter_state
+        n = result.num_accepted  # [B]
+        kept = n.clamp(max=self.gamma - 1)  # accepted drafts already in the draft cache
+        width = int(kept.max()) if kept.numel() else 0
+        start = run.valid.shape[1] - run.drafted
+        keep_nodes(run.cache, start, (result.path[:, 1 : 1 + width] - 1).clamp(min=0))  # node i sits at slot i - 1
+        col = torch.arange(width, device=n.device)
+        run.valid = torch.cat([run.valid[:, :start], col[None, :] < kept[:, None]], dim=1)
+        all_in = n == self.gamma
+        leaf = draft.tokens.gather(1, result.node[:, None])[:, 0]
+        run.pending = torch.stack([torch.where(all_in, leaf, state.root), state.root], dim=1)  # [B, 2]
+        run.pending_valid = torch.stack([all_in, torch.ones_like(all_in)], dim=1)
+        run.drafted = 0
+
+    def _start(self, state: DecodeState) -> DraftCache:
+        """The first propose of a run: the whole prompt plus the root are pending."""
+        pad_mask = state.valid[:, : state.prompt.shape[1]]  # before any step, state.valid is the prompt's pad mask
+        ones = torch.ones_like(state.root[:, None], dtype=torch.bool)
+        return DraftCache(
+            cache=new_cache(),
+            valid=pad_mask[:, :0],
+            pending=torch.cat([state.prompt, state.root[:, None]], dim=1),
+            pending_valid=torch.cat([pad_mask, ones], dim=1),
+        )
+
+    def _forward(self, run: DraftCache, ids: torch.Tensor, new_valid: torch.Tensor, positions: torch.Tensor,
+                 tree_cols: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
+        """Feed ids [B, Q] after the cache; returns the last `keep` positions' logits [B, keep, V].
+
+        tree_cols None: the new tokens are causal among themselves (holes where new_valid is False; a hole query
+        sees only itself, so no softmax row is empty). tree_cols [Q, W + Q]: what each query sees of this step's W
+        draft slots already cached and of the new block (tree attention); earlier slots follow run.valid."""
+        b, q = ids.shape
+        mask = None
+        if tree_cols is not None:
+            w = tree_cols.shape[1] - q
+            prefix = run.valid[:, None, : run.valid.shape[1] - w].expand(b, q, -1)
+            visible = torch.cat([prefix, tree_cols[None].expand(b, -1, -1)], dim=-1)  # [B, Q, S + Q]
+            mask = additive(visible[:, None], self.model.get_input_embeddings().weight.dtype)
+        elif not (bool(run.valid.all()) and bool(new_valid.all())):
+            causal = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril()
+            new = (causal[None] & new_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=ids.device)[None]
+            visible = torch.cat([run.valid[:, None, :].expand(b, q, -1), new], dim=-1)  # [B, Q, S + Q]
+            mask = additive(visible[:, None], self.model.get_input_embeddings().weight.dtype)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.expand(b, q), cache=run.cache,
+                         use_cache=True, logits_to_keep=keep)
+        run.valid = torch.cat([run.valid, new_valid], dim=1)
+        return out.logits
+
+
+def is_plain_model(path: str | os.PathLike) -> bool:
+    """True for "builtin:<name>" or a directory holding a Hugging Face model (config.json without drafter_type)."""
+    text = str(path)
+    if text.startswith(BUILTIN_PREFIX):
+        return True
+    config = Path(path) / CONFIG_NAME
+    if not config.is_file():
+        return False
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and "drafter_type" not in data and "model_type" in data
+
+
+def plain_model_config(path: str | os.PathLike, base: str | None) -> dict[str, Any]:
+    """The drafter config `inference.api.load` uses for a plain causal LM given as drafter_path."""
+    if not base:
+        raise ValueError(f"load: {path} is a plain causal LM (a draft model); pass base= (the target model)")
+    return {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": str(path)}
+
+
+def draft_shape(tree: Any) -> tuple[int, int]:
+    """(gamma, branches) from load()'s `tree`: None/"default" (a DEFAULT_GAMMA chain), "chain:<n>",
+    "branches:<k>x<n>" (k first-level candidates, each a chain to depth n), or the equivalent choice list
+    (`branch_choices`). Other shapes raise TreeError."""
+    if tree is None or tree == "default":
+        return DEFAULT_GAMMA, 1
+    if isinstance(tree, str) and tree.startswith("branches:"):
+        k, _, n = tree[len("branches:"):].partition("x")
+        if not (k.isdigit() and n.isdigit() and int(k) >= 1 and int(n) >= 1):
+            raise TreeError(f"tree {tree!r}: expected 'branches:<k>x<depth>', e.g. 'branches:3x4'")
+        return int(n), int(k)
+    buffers = load_tree(tree, num_heads=MAX_GAMMA, topk=MAX_BRANCHES)
+    branches = int((buffers.depth == 1).sum())
+    if sorted(buffers.choices) != sorted(branch_choices(branches, buffers.max_depth)):
+        raise TreeError(f"tree {tree!r}: a draft model drafts 'chain:<n>' or 'branches:<k>x<n>' trees")
+    return buffers.max_depth, branches
+
+
+def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device) -> DraftModelDrafter:
+    """DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
+    (a directory or "builtin:<name>") loaded in the target's dtype on `device`, vocabulary checked."""
+    from models.loading import load_target
+
+    source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
+    dtype = model.get_input_embeddings().weight.dtype
+    name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
+    draft = load_target(source, dtype=name).to(device)
+    check_vocab(draft, model)
+    gamma, branches = draft_shape(tree)
+    return DraftModelDrafter(draft, gamma, branches)
