@@ -1,0 +1,399 @@
+"""A corpus of bad inputs, each refused with one exact line (the files live in tests/bad_inputs/).
+
+Every case names the call that must refuse the input, the error type, and a regex for the WHOLE message ({cases}:
+the bad_inputs folder, {tmp}: the test's temporary folder). Training-side errors must be of a type the CLI reports
+as one line: `train.cli.UsageError` (exit 2, before the run) or one of `train.cli.user_errors()` (exit 1).
+The storage tests at the end check that a failed save leaves no half-written output.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from data.datasets import build_datasets
+from data.readers import DataError
+from inference.drafters import MedusaDrafter
+from inference.tree import TreeError, load_tree
+from inference.verify import SamplingParams
+from models.checkpoint import CheckpointError, DrafterMismatchError, check_compatible, load_drafter, save_drafter
+from models.loading import ModelLoadError, load_target, load_tokenizer
+from models.medusa import MedusaConfig, MedusaHeads
+from tests.data_support import DataCfg, tiny_tokenizer
+from tests.model_support import save_tiny_model
+from train.base import resolve_resume
+from train.cli import UsageError, parse, user_errors
+from train.config import register_configs
+
+CASES_DIR = Path(__file__).parent / "bad_inputs"
+ROOT = Path(__file__).resolve().parents[1]
+SHAREGPT = DataCfg(name="sharegpt", format="sharegpt", validation_fraction=0.0)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    tmp: Path  # the test's own temporary folder
+    model: Path  # a saved tiny random model (shared: copy it before damaging it)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    run: Callable[[Workspace], Any]  # makes the bad input and calls what must refuse it
+    error: type[BaseException]
+    message: str  # regex for the whole message
+
+
+@cache
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def data(file: str, cfg: DataCfg = SHAREGPT, **changes: Any) -> Callable[[Workspace], Any]:
+    path = str(CASES_DIR / file) if file else None
+    return lambda ws: build_datasets(replace(cfg, path=path, **changes), tokenizer())
+
+
+def cli(*overrides: str, method: str = "medusa1") -> Callable[[Workspace], Any]:
+    def call(ws: Workspace):
+        register_configs()
+        return parse([method, "+model=tiny", *(o.format(tmp=ws.tmp) for o in overrides)])
+
+    return call
+
+
+def damaged_model(damage: Callable[[Path], None], load: Callable = load_target) -> Callable[[Workspace], Any]:
+    def call(ws: Workspace):
+        path = ws.tmp / "model"
+        shutil.copytree(ws.model, path)
+        damage(path)
+        return load(str(path), dtype="fp32") if load is load_target else load(str(path))
+
+    return call
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    data_ = path.read_bytes()
+    path.write_bytes(data_[: int(len(data_) * keep)])
+
+
+def tiny_heads(num_heads: int = 2, hidden_size: int = 32, vocab_size: int = 50) -> MedusaHeads:
+    torch.manual_seed(0)
+    return MedusaHeads(MedusaConfig(num_heads=num_heads, num_layers=1, hidden_size=hidden_size, vocab_size=vocab_size))
+
+
+def damaged_heads(damage: Callable[[Path], None]) -> Callable[[Workspace], Any]:
+    def call(ws: Workspace):
+        path = save_drafter(ws.tmp / "heads", tiny_heads(), "tiny-base")
+        damage(path)
+        return load_drafter(path)
+
+    return call
+
+
+def edit_json(path: Path, **changes: Any) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def evil_pickle(ws: Workspace):
+    """An original-Medusa .pt whose unpickling would run a command: it must be refused, the command never run."""
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {ws.tmp / 'pwned'}",)
+
+    folder = ws.tmp / "medusa"
+    folder.mkdir()
+    (folder / "medusa_lm_head.pt").write_bytes(pickle.dumps({"0.0.linear.weight": Payload()}, protocol=2))
+    try:
+        return load_drafter(folder)
+    finally:
+        assert not (ws.tmp / "pwned").exists()
+
+
+def torn_checkpoint(trainer_state: str | None) -> Callable[[Workspace], Any]:
+    def call(ws: Workspace):
+        path = save_drafter(ws.tmp / "checkpoints" / "checkpoint-4", tiny_heads(), "tiny-base")
+        if trainer_state is not None:
+            (path / "trainer_state.json").write_text(trainer_state)
+        return resolve_resume(str(path), ws.tmp / "checkpoints")
+
+    return call
+
+
+def drafter_on_tree(tree: Any, vocab_size: int = 50, topk: int = 10) -> Callable[[Workspace], Any]:
+    def call(ws: Workspace):
+        heads = tiny_heads(vocab_size=vocab_size)
+        return MedusaDrafter(heads, load_tree(tree, num_heads=heads.config.num_heads, topk=topk))
+
+    return call
+
+
+MAX_LEN_TEXT = "no sample has a trained token (data.max_length=16)"
+CASES = [
+    # --- data files (exit 1 during the run) ---
+    Case("malformed-json-line", data("malformed_line.jsonl"), DataError,
+         r"{cases}/malformed_line.jsonl:2: malformed JSON line: Expecting ',' delimiter \(column 52\)"),
+    Case("malformed-json-list", data("malformed_list.json"), DataError,
+         r"{cases}/malformed_list.json:14: malformed JSON: Expecting value \(column 20\)"),
+    Case("missing-role", data("missing_role.jsonl"), DataError,
+         r"{cases}/missing_role.jsonl:2: turn 2: missing field 'from' or 'role'"),
+    Case("unknown-role", data("unknown_role.jsonl"), DataError, r"{cases}/unknown_role.jsonl:1: turn 2: unknown role 'tool'"),
+    Case("empty-assistant-turn", data("empty_assistant.jsonl"), DataError,
+         r"{cases}/empty_assistant.jsonl:1: turn 2: empty assistant turn"),
+    Case("no-assistant-turn", data("no_assistant.jsonl"), DataError, r"{cases}/no_assistant.jsonl:1: no assistant turn"),
+    Case("non-utf8-jsonl", data("non_utf8.jsonl"), DataError, r"{cases}/non_utf8.jsonl:2: non-UTF-8 bytes"),
+    Case("non-utf8-json-list", data("non_utf8_list.json"), DataError, r"{cases}/non_utf8_list.json:1: non-UTF-8 bytes"),
+    Case("record-not-object", data("not_object.jsonl"), DataError,
+         r"{cases}/not_object.jsonl:2: expected a JSON object, got list"),
+    Case("content-not-string", data("content_not_string.jsonl"), DataError,
+         r"{cases}/content_not_string.jsonl:1: turn 1: content must be a string, got int"),
+    Case("turns-not-list", data("turns_not_list.jsonl"), DataError,
+         r"{cases}/turns_not_list.jsonl:1: 'conversations' must be a list, got dict"),
+    Case("alpaca-missing-output", data("alpaca_missing_output.json", replace(SHAREGPT, format="alpaca")), DataError,
+         r"{cases}/alpaca_missing_output.json:2: missing field 'output'"),
+    Case("alpaca-bad-history", data("alpaca_bad_history.json", replace(SHAREGPT, format="alpaca")), DataError,
+         r"{cases}/alpaca_bad_history.json:1: history entry 1 must be a \[user, assistant\] pair"),
+    Case("gsm8k-answer-not-string", data("gsm8k_answer_not_string.jsonl", replace(SHAREGPT, format="gsm8k")), DataError,
+         r"{cases}/gsm8k_answer_not_string.jsonl:1: 'answer' must be a string, got int"),
+    Case("text-empty", data("text_empty.jsonl", replace(SHAREGPT, format="text")), DataError,
+         r"{cases}/text_empty.jsonl:2: empty 'text'"),
+    Case("empty-file", data("empty.jsonl"), DataError, r"{cases}/empty.jsonl: empty dataset \(no records\)"),
+    Case("blank-lines-only", data("blank_lines.jsonl"), DataError, r"{cases}/blank_lines.jsonl: empty dataset \(no records\)"),
+    Case("all-records-bad-skipped", data("all_bad.jsonl", on_error="skip"), DataError,
+         r"{cases}/all_bad.jsonl: no usable records \(2 bad records skipped; first: {cases}/all_bad.jsonl:1: "
+         r"no assistant turn\)"),
+    # Truncation to data.max_length is documented; a sample left without a trained token is dropped and counted
+    # (test_overlong_sample_is_dropped_and_counted); when that leaves nothing, the run stops.
+    Case("every-sample-too-long", data("prompt_too_long.jsonl", max_length=16), DataError,
+         r"{cases}/prompt_too_long.jsonl: " + re.escape(MAX_LEN_TEXT)),
+    Case("data-file-missing", lambda ws: build_datasets(replace(SHAREGPT, path=str(ws.tmp / "nope.jsonl")), tokenizer()),
+         DataError, r"{tmp}/nope.jsonl: no such file or directory"),
+    Case("data-dir-without-json", lambda ws: build_datasets(replace(SHAREGPT, path=str(ws.tmp)), tokenizer()),
+         DataError, r"{tmp}: directory holds no .json or .jsonl file"),
+    Case("data-path-unset", data(""), DataError, r"data.path is required for data.format='sharegpt' \(config data='sharegpt'\)"),
+    Case("unknown-chat-template", data("one_too_long.jsonl", chat_template="vicuna_v9"), DataError,
+         r"data.chat_template: unknown chat template 'vicuna_v9'; shipped templates: .*vicuna_v1.1.*"),
+    Case("max-length-zero", data("one_too_long.jsonl", max_length=0), DataError, r"data.max_length must be >= 1, got 0"),
+    Case("validation-fraction-one", data("one_too_long.jsonl", validation_fraction=1.0), DataError,
+         r"data.validation_fraction must be in \[0, 1\), got 1.0"),
+    # --- command line and config (exit 2 before the run) ---
+    Case("unknown-config-key", cli("training.lerning_rate=1e-3"), UsageError,
+         r"unknown config key 'training.lerning_rate'; did you mean 'training.learning_rate'\?"),
+    Case("added-unknown-key", cli("+method.num_head=3"), UsageError,
+         r"unknown config key 'method.num_head'; did you mean 'method.num_heads'\?"),
+    Case("unknown-method", lambda ws: parse(["medusa9", "+model=tiny"]), UsageError,
+         r"unknown method 'medusa9'; available: .*medusa1.*"),
+    Case("unknown-model", cli("+model=gpt5"), UsageError, r"unknown model 'gpt5'; available: .*tiny.*"),
+    Case("no-model", lambda ws: parse(["medusa1"]), UsageError, r"no model chosen: add \+model=<name>; available: .*"),
+    Case("wrong-type", cli("training.max_steps=ten"), UsageError,
+         r"Error merging override training.max_steps=ten: Value 'ten' of type 'str' could not be converted to Integer"),
+    Case("unknown-dtype", cli("model.dtype=fp8"), UsageError, r"model.dtype=fp8: choose one of bf16, fp16, fp32"),
+    Case("unknown-quantization", cli("model.quantization=int8"), UsageError,
+         r"model.quantization=int8: choose one of null, none, nf4"),
+    Case("unknown-on-nonfinite", cli("training.on_nonfinite=ignore"), UsageError,
+         r"training.on_nonfinite=ignore: choose one of stop, skip"),
+    Case("zero-heads", cli("method.num_heads=0"), UsageError, r"method.num_heads=0: must be >= 1"),
+    Case("output-dir-under-a-file", lambda ws: (ws.tmp / "file").write_text("x") and cli("output_dir={tmp}/file/run")(ws),
+         UsageError, r"output_dir={tmp}/file/run: {tmp}/file is a file, not a directory"),
+    # --- target model (exit 1) ---
+    Case("model-path-missing", lambda ws: load_target(str(ws.tmp / "nope")), ModelLoadError,
+         r"model path '{tmp}/nope' does not exist"),
+    Case("model-without-config", damaged_model(lambda p: (p / "config.json").unlink()), ModelLoadError,
+         r"model path '{tmp}/model' has no config.json or adapter_config.json"),
+    Case("model-config-truncated", damaged_model(lambda p: truncate(p / "config.json")), ModelLoadError,
+         r"cannot load model '{tmp}/model': It looks like the config file at '{tmp}/model/config.json' is not a valid "
+         r"JSON file."),
+    Case("model-weights-truncated", damaged_model(lambda p: truncate(p / "model.safetensors")), ModelLoadError,
+         r"cannot load model '{tmp}/model': corrupted safetensors weights \(Error while deserializing header: .*\)"),
+    Case("model-without-tokenizer",
+         damaged_model(lambda p: [f.unlink() for f in p.glob("tokenizer*")], load=load_tokenizer), ModelLoadError,
+         r"model path '{tmp}/model' has no tokenizer.json or tokenizer_config.json or tokenizer.model or vocab.json"),
+    # --- drafter checkpoints ---
+    Case("heads-config-truncated", damaged_heads(lambda p: truncate(p / "config.json")), CheckpointError,
+         r"{tmp}/heads/config.json: not valid JSON \(.*\)"),
+    Case("heads-weights-corrupted", damaged_heads(lambda p: truncate(p / "drafter.safetensors", 0.7)), CheckpointError,
+         r"{tmp}/heads/drafter.safetensors: unreadable safetensors \(.*\)"),
+    Case("heads-weights-missing", damaged_heads(lambda p: (p / "drafter.safetensors").unlink()), CheckpointError,
+         r"{tmp}/heads/drafter.safetensors: missing"),
+    Case("heads-config-not-draftsmith", damaged_heads(lambda p: (p / "config.json").write_text('{"model_type": "llama"}')),
+         CheckpointError, r"{tmp}/heads/config.json: no 'drafter_type' key; not a draftsmith checkpoint"),
+    Case("heads-weights-disagree-with-config", damaged_heads(lambda p: edit_json(p / "config.json", num_heads=3)),
+         CheckpointError, r"{tmp}/heads/drafter.safetensors: weights do not match config.json \(.*\)"),
+    Case("heads-for-another-hidden-size",
+         lambda ws: check_compatible(load_drafter(save_drafter(ws.tmp / "h", tiny_heads(), "base-a")).config,
+                                     LlamaConfig(hidden_size=64, vocab_size=50, name_or_path="base-b")),
+         DrafterMismatchError,
+         r"drafter hidden_size=32 does not match base-b hidden_size=64; the heads were trained for base-a"),
+    Case("heads-for-another-vocab",
+         lambda ws: check_compatible(load_drafter(save_drafter(ws.tmp / "h", tiny_heads(), "base-a")).config,
+                                     LlamaConfig(hidden_size=32, vocab_size=51, name_or_path="base-b")),
+         DrafterMismatchError,
+         r"drafter vocab_size=50 does not match base-b vocab_size=51; the heads were trained for base-a"),
+    Case("pickle-that-runs-code", evil_pickle, CheckpointError,
+         r"{tmp}/medusa/medusa_lm_head.pt: unreadable \(Weights only load failed.*\)"),
+    Case("non-finite-heads", lambda ws: save_drafter(ws.tmp / "nan", tiny_heads().apply(
+        lambda m: torch.nn.init.constant_(m.weight, float("nan")) if isinstance(m, torch.nn.Linear) else None), "b"),
+         CheckpointError, r"{tmp}/nan: refusing to save non-finite weights \(.*\)"),
+    Case("resume-from-torn-checkpoint", torn_checkpoint(None), CheckpointError,
+         r"training.resume_from_checkpoint={tmp}/checkpoints/checkpoint-4: not a complete checkpoint "
+         r"\(no trainer_state.json \(the checkpoint was not completely written\)\)"),
+    Case("resume-from-truncated-state", torn_checkpoint('{"global_step": 4, "log_hi'), CheckpointError,
+         r"training.resume_from_checkpoint={tmp}/checkpoints/checkpoint-4: not a complete checkpoint "
+         r"\(trainer_state.json is unreadable \(.*\)\)"),
+    # --- inference ---
+    Case("tree-deeper-than-heads", drafter_on_tree([[0], [0, 0], [0, 0, 0]]), TreeError,
+         r"tree: entry 2 \[0, 0, 0\]: depth 3 exceeds the drafter's 2 head\(s\)"),
+    Case("tree-rank-beyond-topk", drafter_on_tree([[0], [12]]), TreeError,
+         r"tree: entry 1 \[12\]: ranks must be in \[0, 10\) \(topk=10\)"),
+    Case("tree-topk-beyond-vocab", drafter_on_tree([[0], [1], [7]], vocab_size=6), TreeError,
+         r"tree uses top-8 candidates per head, but the vocabulary has only 6 tokens"),
+    Case("tree-file-truncated", drafter_on_tree(CASES_DIR / "tree_truncated.json"), TreeError,
+         r"{cases}/tree_truncated.json: line 1: not valid JSON \(Expecting value\)"),
+    Case("negative-temperature", lambda ws: SamplingParams(temperature=-0.5), ValueError,
+         r"temperature must be a finite number >= 0, got -0.5"),
+    Case("nan-temperature", lambda ws: SamplingParams(temperature=float("nan")), ValueError,
+         r"temperature must be a finite number >= 0, got nan"),
+    Case("top-p-zero", lambda ws: SamplingParams(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+]
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("bad-inputs") / "model")
+
+
+def expected(pattern: str, tmp: Path) -> str:
+    return pattern.replace("{cases}", re.escape(str(CASES_DIR))).replace("{tmp}", re.escape(str(tmp)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_with_one_line(case: Case, saved_model: Path, tmp_path: Path):
+    with pytest.raises(case.error) as info:
+        case.run(Workspace(tmp=tmp_path, model=saved_model))
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert re.fullmatch(expected(case.message, tmp_path), message), message
+    training_side = case.error not in (TreeError, ValueError)  # inference errors surface through the Python API
+    if training_side:
+        assert isinstance(info.value, user_errors()), f"{type(info.value).__name__} would print a traceback"
+
+
+def test_corpus_is_large_and_every_file_is_used():
+    assert len(CASES) >= 25
+    source = Path(__file__).read_text()
+    assert [p.name for p in CASES_DIR.iterdir() if f'"{p.name}"' not in source] == []
+
+
+def test_overlong_sample_is_dropped_and_counted(caplog):
+    datasets = build_datasets(replace(SHAREGPT, path=str(CASES_DIR / "one_too_long.jsonl"), max_length=16), tokenizer())
+    assert len(datasets.train) == 1
+    assert "dropped 1 samples with no assistant token within data.max_length=16" in caplog.text
+
+
+def test_cli_exit_codes_and_single_line(tmp_path):
+    """The real entry point: a config error is one stderr line and exit code 2, before anything is written."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "train", "medusa1", "+model=tiny", "training.lerning_rate=1", f"output_dir={out}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert lines == ["error: unknown config key 'training.lerning_rate'; did you mean 'training.learning_rate'?"], lines
+    assert not out.exists()
+
+
+# --- storage failures: one line, and no half-written output ---
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_disk_full_during_save_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("models.checkpoint.save_file", _no_space)
+    with pytest.raises(CheckpointError, match=r"^.*/out: cannot write checkpoint \(No space left on device\)$"):
+        save_drafter(tmp_path / "out", tiny_heads(), "base")
+    assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor its temporary sibling
+
+
+def test_disk_full_over_a_checkpoint_keeps_the_old_one(tmp_path, monkeypatch):
+    old = save_drafter(tmp_path / "out", tiny_heads(num_heads=2), "base")
+    monkeypatch.setattr("models.checkpoint.save_file", _no_space)
+    with pytest.raises(CheckpointError):
+        save_drafter(old, tiny_heads(num_heads=3), "base")
+    assert load_drafter(old).heads.config.num_heads == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_save_under_a_regular_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError) as info:
+        save_drafter(tmp_path / "file" / "out", tiny_heads(), "base")
+    assert str(info.value) == f"{tmp_path}/file/out: cannot write checkpoint ({tmp_path}/file is a file, not a directory)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_storage_oserror_from_the_run_is_one_line(monkeypatch, capsys):
+    """An OSError of the storage raised anywhere in the run (e.g. Trainer writing trainer_state.json) is one line."""
+    from train.cli import run_task
+
+    def full_disk(cfg):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/checkpoints/checkpoint-4/trainer_state.json")
+
+    monkeypatch.setattr("train.base.run", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        run_task(None)
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: /runs/x/checkpoints/checkpoint-4/trainer_state.json: No space left on device")
+
+    def bug(cfg):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))  # not the storage: a program error keeps its traceback
+
+    monkeypatch.setattr("train.base.run", bug)
+    with pytest.raises(OSError):
+        run_task(None)
+
+
+def test_disk_full_during_a_training_run(tmp_path, monkeypatch, capsys):
+    """End to end in-process (Hydra task function): the first trainer checkpoint hits ENOSPC -> one line, exit 1, and
+    no checkpoint that resume=auto would pick up."""
+    from hydra import compose, initialize_config_module
+
+    from train.base import checkpoint_problem
+    from train.cli import run_task
+
+    model = save_tiny_model(tmp_path / "model")
+    out = tmp_path / "run"
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "method=medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt",
+            f"data.path={CASES_DIR / 'one_too_long.jsonl'}", "data.validation_fraction=0", "data.max_length=32",
+            "training.max_steps=2", "training.save_steps=1", "training.per_device_train_batch_size=1",
+            "method.num_heads=1", "eval.greedy_prompts=0", "logger=none", f"output_dir={out}",
+        ])
+    monkeypatch.setattr("models.checkpoint.save_file", _no_space)
+    with pytest.raises(SystemExit) as exit_info:
+        run_task(cfg)
+    assert exit_info.value.code == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {out}/checkpoints/checkpoint-1: cannot write checkpoint (No space left on device)"]
+    assert not list((out / "checkpoints").glob(".*tmp*")) and not (out / "config.json").exists()
+    assert resolve_resume("auto", out / "checkpoints") is None
+    assert all(checkpoint_problem(p) for p in (out / "checkpoints").glob("checkpoint-*"))
