@@ -6,27 +6,36 @@
     out.sequences, out.stats
 
 Modules: tree (choice paths -> buffers), verify (greedy / typical (lossy) / rejection sampling), cache (tree masks
-and KV surgery), drafters (Drafter protocol, NoDrafter, MedusaDrafter), generate (the loop), api (load + Engine).
+and KV surgery), drafters (Drafter protocol, NoDrafter, MedusaDrafter), draft_model (DraftModelDrafter), generate (the loop), api (load + Engine).
 """
 
 from inference.api import Engine, load
+from inference.draft_model import DraftModelDrafter
 from inference.drafters import DecodeState, Draft, Drafter, MedusaDrafter, NoDrafter
 from inference.generate import DecodeConfig, GenerationOutput, GenerationStats, StepTimes, generate
+from inference.lookahead import LookaheadDrafter, TokenTrie
+from inference.prompt_lookup import PromptLookupDrafter
 from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
-from inference.verify import SamplingParams, VerifyResult, verify_greedy, verify_rejection, verify_typical
+from inference.verify import (
+    SamplingParams, VerifyResult, verify_greedy, verify_rejection, verify_speculative, verify_typical,
+)
 
 __all__ = [
     "DecodeConfig",
     "DecodeState",
     "Draft",
+    "DraftModelDrafter",
     "Drafter",
     "Engine",
     "GenerationOutput",
     "GenerationStats",
+    "LookaheadDrafter",
     "MedusaDrafter",
     "NoDrafter",
+    "PromptLookupDrafter",
     "SamplingParams",
     "StepTimes",
+    "TokenTrie",
     "TreeBuffers",
     "TreeError",
     "VerifyResult",
@@ -36,5 +45,6 @@ __all__ = [
     "load_tree",
     "verify_greedy",
     "verify_rejection",
+    "verify_speculative",
     "verify_typical",
 ]

@@ -12,11 +12,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from inference.draft_model import build_draft_model_drafter, is_plain_model, plain_model_config
 from inference.drafters import Drafter, MedusaDrafter, NoDrafter
 from inference.generate import DecodeConfig, GenerationOutput, generate
+from inference.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
 from inference.tree import TreeBuffers, load_tree
+from inference.training_free import TRAINING_FREE_DRAFTERS, build_from_spec
 from inference.verify import SamplingParams
-from models.checkpoint import CONFIG_NAME, CheckpointError, check_compatible, load_drafter, read_drafter_config
+from models.checkpoint import (
+    CONFIG_NAME, CheckpointError, check_compatible, load_drafter, load_drafter_target, read_drafter_config,
+)
 from models.loading import load_target
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
@@ -30,7 +35,30 @@ def _medusa(path: Path, model: torch.nn.Module, tree: Any, topk: int, device: to
     return MedusaDrafter(loaded.heads, buffers, base_lm_head)
 
 
-DRAFTER_BUILDERS: dict[str, Callable[[Path, torch.nn.Module, Any, int, torch.device], Drafter]] = {"medusa": _medusa}
+DRAFTER_BUILDERS: dict[str, Callable[[Path, torch.nn.Module, Any, int, torch.device], Drafter]] = {
+    "medusa": _medusa,
+    "draft_model": build_draft_model_drafter,
+}
+
+
+def _jacobi(path: Path, model: torch.nn.Module, tree: Any, topk: int, device: torch.device) -> Drafter:
+    """A "cllm" checkpoint: the fine-tuned target (its backbone, loaded by `load`) decoded by Jacobi iteration with
+    the block size and initialisation it was trained for (config.json "block_size", "init")."""
+    if tree is not None:
+        raise ValueError("load: tree= does not apply to Jacobi decoding (its draft is always a chain)")
+    config = read_drafter_config(path)
+    options = JacobiOptions(block_size=int(config.get("block_size", DEFAULT_BLOCK_SIZE)), init=config.get("init", "random"))
+    return JacobiDrafter(options, pad_token_id=model.config.pad_token_id or 0)
+
+
+def _named_jacobi(spec: str, model: torch.nn.Module) -> Drafter:
+    return JacobiDrafter(JacobiOptions.parse(spec), pad_token_id=model.config.pad_token_id or 0)
+
+
+DRAFTER_BUILDERS.update(cllm=_jacobi)
+# Drafters without a checkpoint, for any base: load("jacobi", base=...) or load("jacobi:n=32,init=pad", base=...).
+NAMED_DRAFTERS: dict[str, Callable[[str, torch.nn.Module], Drafter]] = {"jacobi": _named_jacobi}
+NAMED_DRAFTERS.update(dict.fromkeys(TRAINING_FREE_DRAFTERS, build_from_spec))  # "lookahead", "prompt_lookup"
 
 
 class Engine:
@@ -59,14 +87,14 @@ class Engine:
         acceptance: str = "exact",
         stop: Sequence[Sequence[int]] = (),
         ignore_eos: bool = False,
-        stream: Callable[[int, list[int]], None] | None = None,
+        stream: Callable[[int, list[int]], bool | None] | None = None,
         seed: int | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> GenerationOutput:
         """Generate from one prompt ([T] ids) or a batch ([B, T] tensor, or a list of id lists of any lengths,
         left-padded here). acceptance="exact" is lossless (greedy at temperature 0, rejection sampling above);
         "typical" is Medusa's LOSSY typical acceptance. Stops at the model's EOS ids unless `ignore_eos`, and after
-        any `stop` id sequence."""
+        any `stop` id sequence, or where `stream(row, new_tokens)` returns True."""
         input_ids, attention_mask = self._batch(prompt_ids, attention_mask)
         eos = () if ignore_eos else _eos_ids(self.model)
         config = DecodeConfig(
@@ -113,16 +141,29 @@ def load(
     quantization: str | None = None,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    tp_plan: Any = None,
 ) -> Engine:
     """Load a base model and (optionally) a drafter checkpoint into an Engine.
 
+    `drafter_path` may also be a plain causal LM (a Hugging Face model directory or "builtin:<name>") sharing the
+    base's tokenizer: it drafts as a draft model (then `base` is required; `tree="chain:<n>"` sets the draft length).
     `base` defaults to the checkpoint's base_model_name_or_path. Without a drafter the engine decodes
     autoregressively through the same loop (the baseline). `tree` is a tree spec for tree drafters (see
-    inference.tree.load_tree); None uses the shipped default for the drafter's head count."""
+    inference.tree.load_tree); None uses the shipped default for the drafter's head count. `tp_plan="auto"` under
+    torchrun shards the target tensor-parallel across the processes (`device` is then each process's own device);
+    every process runs the same loop and returns the same tokens."""
     config = None
+    named = isinstance(drafter_path, str) and drafter_path.partition(":")[0] in NAMED_DRAFTERS
+    if named and not Path(drafter_path).exists():
+        if base is None or tree is not None:
+            raise ValueError(f"load: drafter {drafter_path!r} needs base= (the model to decode) and takes no tree=")
+        named_spec, drafter_path = drafter_path, None
+    else:
+        named_spec = None
     if drafter_path is not None:
+        plain = is_plain_model(drafter_path)  # a causal LM dir or builtin:<name>: a draft model for `base`
         drafter_path = Path(drafter_path)
-        config = read_drafter_config(drafter_path)
+        config = plain_model_config(drafter_path, base) if plain else read_drafter_config(drafter_path)
         if config["drafter_type"] not in DRAFTER_BUILDERS:
             known = ", ".join(sorted(DRAFTER_BUILDERS))
             raise CheckpointError(
@@ -135,13 +176,17 @@ def load(
         raise ValueError("load: pass drafter_path (a draftsmith checkpoint) or base (a model to decode alone)")
     elif tree is not None:
         raise ValueError("load: tree= needs a tree drafter; pass drafter_path")
-    model = load_target(
-        base, dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
-    if quantization in (None, "none"):
+    target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
+                         trust_remote_code=trust_remote_code, tp_plan=tp_plan)
+    if config is not None and config.get("backbone"):  # a fine-tuned target (Medusa-2, CLLM) ships with the drafter
+        model = load_drafter_target(drafter_path, base, **target_kwargs)
+    else:
+        model = load_target(base, **target_kwargs)
+    if quantization in (None, "none") and tp_plan is None:  # tensor parallel places each shard itself
         model.to(device)
     device = model.get_input_embeddings().weight.device
+    if named_spec is not None:
+        return Engine(model, NAMED_DRAFTERS[named_spec.partition(":")[0]](named_spec, model), {"drafter_type": named_spec})
     if config is None:
         return Engine(model, NoDrafter())
     drafter = DRAFTER_BUILDERS[config["drafter_type"]](drafter_path, model, tree, topk, device)

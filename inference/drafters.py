@@ -11,14 +11,14 @@ accepted a path. New drafters (Jacobi, draft model, lookahead) plug into `infere
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from inference.tree import TreeBuffers, root_only_tree
-from inference.verify import VerifyResult
+from inference.tree import TreeBuffers, TreeError, root_only_tree
+from inference.verify import SamplingParams, VerifyResult
 from models.medusa import MedusaHeads
 
 
@@ -26,6 +26,10 @@ from models.medusa import MedusaHeads
 class Draft:
     tree: TreeBuffers
     tokens: torch.Tensor  # [B, K] token at each node; tokens[:, 0] is the root (state.root)
+    # [B, K, V] q at each node: the distribution the node's children were SAMPLED from (same indexing as the
+    # target logits; leaf rows unused). None: deterministic drafts, verified with the one-hot rule.
+    probs: torch.Tensor | None = None
+    replacement: bool = True  # sampled siblings were drawn i.i.d. from q (True) or without replacement (False)
 
 
 @dataclass(eq=False)
@@ -39,6 +43,10 @@ class DecodeState:
     hidden: torch.Tensor | None  # [B, D] final-norm hidden state whose logits produced `root` (when requested)
     prompt: torch.Tensor  # [B, T] prompt ids, left-padded
     generated: list[list[int]]  # committed tokens per row, `root` included, before stop trimming
+    logits: torch.Tensor | None = None  # [B, K, V] target logits of the last tree forward (None before the first)
+    sampling: SamplingParams = SamplingParams()  # how the target samples; sampling drafters process logits alike
+    generator: torch.Generator | None = None  # the run's random source, shared by drafters that sample
+    drafter_state: Any = None  # a drafter's own per-run state (e.g. a draft model's KV cache); None before its first propose
 
 
 class Drafter(Protocol):
@@ -81,6 +89,9 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, tree: TreeBuffers, base_lm_head: nn.Module | None = None) -> None:
         if tree.max_depth > len(heads.heads):
             raise ValueError(f"tree depth {tree.max_depth} exceeds the drafter's {len(heads.heads)} heads")
+        if tree.topk > heads.config.vocab_size:  # topk over the vocabulary would fail at the first step
+            raise TreeError(f"tree uses top-{tree.topk} candidates per head, but the vocabulary has only "
+                            f"{heads.config.vocab_size} tokens")
         if heads.config.share_lm_head and base_lm_head is None:
             raise ValueError("these Medusa heads share the base lm_head (shared_lm_head format); pass base_lm_head")
         self.heads = heads

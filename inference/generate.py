@@ -22,7 +22,9 @@ import torch
 
 from inference.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
 from inference.drafters import DecodeState, Draft, Drafter, NoDrafter
-from inference.verify import SamplingParams, VerifyResult, next_token, verify_greedy, verify_rejection, verify_typical
+from inference.verify import (
+    SamplingParams, VerifyResult, next_token, verify_greedy, verify_rejection, verify_speculative, verify_typical,
+)
 
 ACCEPTANCE = ("exact", "typical")
 
@@ -126,6 +128,8 @@ def prefill(
         hidden=out.hidden_states[-1][:, -1] if needs_hidden else None,
         prompt=input_ids,
         generated=[[t] for t in root.tolist()],
+        sampling=config.sampling,
+        generator=generator,
     )
 
 
@@ -145,12 +149,16 @@ def forward_tree(
 
 def verify(draft: Draft, logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator | None) -> VerifyResult:
     """Pick the rule: greedy at temperature 0 (whatever `acceptance` says: typical acceptance degenerates to it),
-    else rejection sampling (exact) or typical acceptance (lossy)."""
+    else rejection sampling (exact; the p/q rule when the drafts were sampled) or typical acceptance (lossy)."""
     if config.sampling.greedy:
         return verify_greedy(draft.tokens, logits, draft.tree)
     if config.acceptance == "typical":
         return verify_typical(
             draft.tokens, logits, draft.tree, config.sampling, config.typical_epsilon, config.typical_delta, generator
+        )
+    if draft.probs is not None:
+        return verify_speculative(
+            draft.tokens, logits, draft.probs, draft.tree, config.sampling, generator, draft.replacement
         )
     return verify_rejection(draft.tokens, logits, draft.tree, config.sampling, generator)
 
@@ -198,12 +206,13 @@ def generate(
     drafter: Drafter | None = None,
     config: DecodeConfig = DecodeConfig(),
     attention_mask: torch.Tensor | None = None,
-    stream: Callable[[int, list[int]], None] | None = None,
+    stream: Callable[[int, list[int]], bool | None] | None = None,
     generator: torch.Generator | None = None,
 ) -> GenerationOutput:
     """Decode up to `config.max_new_tokens` new tokens per row of `input_ids` [B, T] (left-padded when
     `attention_mask` [B, T] marks padding with 0). `stream(row, tokens)` receives each row's tokens as they are
-    committed. Rows that stop early keep riding along in the batch; their extra tokens are discarded."""
+    committed; returning True stops that row there (e.g. a stop string found in the decoded text). Rows that stop
+    early keep riding along in the batch; their extra tokens are discarded."""
     drafter = drafter if drafter is not None else NoDrafter()
     pad_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if not bool(pad_mask[:, -1].all()):
@@ -227,6 +236,7 @@ def generate(
             result = verify(draft, logits, config, generator)
         with clock("cache"):
             accept(state, result, hidden)
+        state.logits = logits  # kept for drafters that iterate on the target's predictions (Jacobi)
         with clock("draft"):
             drafter.update(state, draft, result)
         accepted.append(tuple(-1 if d else n for d, n in zip(done, result.num_accepted.tolist())))
@@ -241,7 +251,7 @@ def generate(
 
 def _commit(
     state: DecodeState, out: list[list[int]], done: list[bool], config: DecodeConfig,
-    stream: Callable[[int, list[int]], None] | None,
+    stream: Callable[[int, list[int]], bool | None] | None,
 ) -> None:
     """Move each active row's newly committed tokens into `out`, applying stop conditions."""
     for row, tokens in enumerate(state.generated):
@@ -253,5 +263,5 @@ def _commit(
         if cut is not None:
             del out[row][cut:]
             done[row] = True
-        if stream is not None and len(out[row]) > before:
-            stream(row, out[row][before:])
+        if stream is not None and len(out[row]) > before and stream(row, out[row][before:]) is True:
+            done[row] = True

@@ -98,25 +98,25 @@ def build_tree(
     k = len(all_paths)
     length = max((len(p) for p in all_paths), default=0) + 1
 
+    # Index lists first, one tensor each at the end: per-step trees (inference.token_tree) build here every step.
     parent = [-1] + [node_of[p[:-1]] for p in ordered]
-    node_path = torch.full((k, length), -1, dtype=torch.long)
-    attn = torch.zeros(k, k, dtype=torch.bool)
-    for i, p in enumerate(all_paths):
-        ancestors = [node_of[p[:j]] for j in range(len(p) + 1)]  # root .. node itself
-        node_path[i, : len(ancestors)] = torch.tensor(ancestors)
-        attn[i, ancestors] = True
+    ancestors = [[node_of[p[:j]] for j in range(len(p) + 1)] for p in all_paths]  # root .. node itself
+    node_path = torch.tensor([a + [-1] * (length - len(a)) for a in ancestors], dtype=torch.long)
+    # padding -1 -> 0 marks the root, an ancestor of every node anyway
+    attn = torch.zeros(k, k, dtype=torch.bool).scatter_(1, node_path.clamp(min=0), True)
 
     children = [[] for _ in range(k)]
     for i in range(1, k):
         children[parent[i]].append(i)  # breadth-first numbering already sorts siblings by rank
-    child_table = torch.full((k, max(map(len, children))), -1, dtype=torch.long)
-    for i, kids in enumerate(children):
-        child_table[i, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+    width = max(map(len, children))
+    child_table = torch.tensor([kids + [-1] * (width - len(kids)) for kids in children], dtype=torch.long)
     leaves = [i for i in range(k) if not children[i]]
     retrieve = node_path[leaves]
-    node_to_path = torch.empty(k, dtype=torch.long)
-    for i in range(k):  # the first leaf path listing node i
-        node_to_path[i] = int((retrieve == i).any(dim=1).nonzero()[0])
+    first_path: dict[int, int] = {}  # node -> the first leaf path listing it
+    for row, leaf in enumerate(leaves):
+        for node in ancestors[leaf]:
+            first_path.setdefault(node, row)
+    node_to_path = torch.tensor([first_path[i] for i in range(k)], dtype=torch.long)
 
     topk_used = max((r for p in ordered for r in p), default=-1) + 1
     head = torch.tensor([len(p) - 1 for p in all_paths])

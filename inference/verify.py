@@ -14,6 +14,9 @@ Rules:
                p(x) > min(eps, delta * exp(-H(p))). Outputs are plausible but NOT distributed as the target.
     rejection  exact at any temperature: speculative sampling (Leviathan et al. 2023; Chen et al. 2023) over a tree of
                deterministic drafts (one-hot q), siblings tried in rank order (SpecInfer, Miao et al. 2024).
+    speculative exact at any temperature for SAMPLED drafts with their draft distribution q: accept x with
+               min(1, p(x)/q(x)), else resample from norm(max(0, p - q)) (Leviathan et al. 2023, Alg. 1); siblings
+               drawn with replacement or without (recursive rejection sampling, Jeon et al. 2024).
 """
 
 from __future__ import annotations
@@ -200,6 +203,65 @@ def verify_rejection(
         if not bool(walking.any()):
             break
     # rounding can only empty a residual whose every remaining token had mass ~0; fall back to p at the node
+    empty = ~(residual.sum(-1) > 0)
+    residual = torch.where(empty[:, None], probs[rows, node], residual)
+    return make_result(tree, tokens, node, torch.multinomial(residual, 1, generator=generator)[:, 0])
+
+
+def verify_speculative(
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    draft_probs: torch.Tensor,
+    tree: TreeBuffers,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    replacement: bool = True,
+) -> VerifyResult:
+    """Exact speculative sampling of sampled drafts: the committed tokens are distributed exactly as sampling the
+    target autoregressively with `params`, whatever the draft distribution.
+
+    draft_probs [B, K, V]: q at each node, the distribution its children were drawn from (independently, or without
+    replacement when `replacement` is False). At a node, r starts as the target's p; children are tried in order:
+    child x is accepted with probability min(1, r(x)/q(x)); on rejection r <- norm(max(0, r - q)) and, without
+    replacement, q <- q with x removed, renormalised. An accepted child becomes the current node (r = p, q = its
+    draft_probs row); otherwise, or at a leaf, the next token is sampled from r (the bonus token after a fully
+    accepted path). A chain (one child per node) is Leviathan et al.'s Algorithm 1. A child with q(x) = 0 (a filler
+    once q's support is exhausted) is never accepted and leaves r and q unchanged, as if it were not proposed.
+    """
+    probs = target_probs(logits, params)  # [B, K, V]
+    q_all = draft_probs.float()
+    batch, rows = tokens.shape[0], torch.arange(tokens.shape[0], device=tokens.device)
+    node = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+    walking = torch.ones(batch, dtype=torch.bool, device=tokens.device)
+    residual = probs[:, 0].clone()  # [B, V] r, normalised
+    q = q_all[:, 0].clone()  # [B, V]
+    for _ in range(tree.max_depth):
+        kids = tree.child_table[node]  # [B, C]
+        moved = torch.zeros_like(walking)
+        for j in range(kids.shape[1]):
+            child = kids[:, j]
+            trying = walking & ~moved & (child >= 0)
+            x = tokens.gather(1, child.clamp(min=0)[:, None])  # [B, 1]
+            r_x, q_x = residual.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+            u = torch.rand(batch, generator=generator, device=tokens.device)
+            take = trying & (q_x > 0) & (u * q_x < r_x)  # u < r(x) / q(x); a q(x) = 0 filler is never accepted
+            rejected = trying & ~take
+            leftover = (residual - q).clamp(min=0)
+            mass = leftover.sum(-1, keepdim=True)
+            # r = q exactly (mass 0) cannot reject; guard the division for rounding anyway
+            leftover = torch.where(mass > 0, leftover / mass.clamp(min=1e-30), residual)
+            residual = torch.where(rejected[:, None], leftover, residual)
+            if not replacement:
+                dropped = q.scatter(1, x, 0.0)
+                dropped = dropped / dropped.sum(-1, keepdim=True).clamp(min=1e-30)
+                q = torch.where(rejected[:, None], dropped, q)
+            node = torch.where(take, child, node)
+            residual = torch.where(take[:, None], probs[rows, child.clamp(min=0)], residual)
+            q = torch.where(take[:, None], q_all[rows, child.clamp(min=0)], q)
+            moved |= take
+        walking &= moved
+        if not bool(walking.any()):
+            break
     empty = ~(residual.sum(-1) > 0)
     residual = torch.where(empty[:, None], probs[rows, node], residual)
     return make_result(tree, tokens, node, torch.multinomial(residual, 1, generator=generator)[:, 0])

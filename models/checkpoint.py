@@ -5,6 +5,8 @@ A drafter checkpoint is a directory:
     drafter.safetensors    the drafter's weights (safetensors only: no pickle)
     tokenizer files        when a tokenizer was given
     README.md              model card (base model, method, data, steps, metrics, command)
+    draft/                 drafter_type "draft_model": the draft causal LM (`save_pretrained`), config.json
+                           "draft_model": {"path": "draft"}; written by `save_draft_model`
     adapter/ | backbone/   optional fine-tuned backbone (Medusa-2), named by config.json "backbone":
                            {"format": "lora_adapter", "path": "adapter"}  a peft LoRA adapter for the base model, or
                            {"format": "merged", "path": "backbone"}       a full `save_pretrained` model + tokenizer.
@@ -35,6 +37,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "drafter.safetensors"
 HEAD_FORMATS = {False: "per_head_lm_head", True: "shared_lm_head"}
 BACKBONE_DIRS = {"lora_adapter": "adapter", "merged": "backbone"}  # config.json "backbone.format" -> subfolder
+DRAFT_MODEL_DIR = "draft"  # drafter_type "draft_model": the draft causal LM's subfolder
 
 
 class CheckpointError(ValueError):
@@ -123,28 +126,75 @@ def save_drafter(
     return output_dir
 
 
+def save_model_drafter(
+    output_dir: str | os.PathLike,
+    drafter_type: str,
+    base_model_name_or_path: str,
+    backbone: BackboneWriter,
+    settings: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a drafter whose weights ARE the fine-tuned target (CLLM: Jacobi decoding needs no extra module),
+    atomically: config.json ({"drafter_type", ..., **settings, "backbone"}), the backbone subfolder, tokenizer files
+    and the model card; no drafter.safetensors. `load_drafter_target` loads the model back."""
+    output_dir = Path(output_dir)
+    config = {
+        **(settings or {}),
+        "drafter_type": drafter_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "draftsmith_version": draftsmith_version(),
+        "backbone": {"format": backbone.format, "path": BACKBONE_DIRS[backbone.format]},
+    }
+    if extra:
+        config["training"] = extra
+
+    def write(tmp: Path) -> None:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        folder = tmp / BACKBONE_DIRS[backbone.format]
+        folder.mkdir()
+        backbone.write(folder)
+        (tmp / "README.md").write_text(model_card(config))
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    atomic_write_dir(output_dir, write)
+    return output_dir
+
+
 def atomic_write_dir(target: Path, write) -> None:
     """Call write(tmp_dir) on a fresh temporary sibling of `target`, then move its files into `target`.
 
     config.json is the completion marker: it is removed from `target` before any file is replaced and moved in
     last, so a reader that finds it finds a complete checkpoint. Other files already in `target` (Hydra logs,
     trainer checkpoints) are left alone. A subfolder written by `write` replaces the same-named one in `target` whole
-    (the old one is moved into the temporary directory and deleted with it).
+    (the old one is moved into the temporary directory and deleted with it). A storage failure (disk full, read-only,
+    a file in the way) raises CheckpointError and leaves no temporary directory; `target` is created only once
+    everything was written.
     """
-    target.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    in_the_way = next((p for p in (target, *target.parents) if p.exists()), None)
+    if in_the_way is not None and not in_the_way.is_dir():
+        raise CheckpointError(f"{target}: cannot write checkpoint ({in_the_way} is a file, not a directory)")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as e:
+        raise CheckpointError(f"{target}: cannot write checkpoint ({e.strerror or e})") from None
     try:
         write(tmp)
         files = sorted(tmp.iterdir(), key=lambda p: p.name == CONFIG_NAME)  # config.json last
         for path in [p for p in tmp.rglob("*") if p.is_file()]:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+        target.mkdir(exist_ok=True)
         (target / CONFIG_NAME).unlink(missing_ok=True)
         for path in files:
             dest = target / path.name
             if dest.exists() and (path.is_dir() or dest.is_dir()):  # os.replace cannot overwrite a folder
                 os.replace(dest, tmp / f".replaced-{path.name}")
             os.replace(path, dest)
+    except OSError as e:
+        raise CheckpointError(f"{target}: cannot write checkpoint ({e.strerror or e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -214,6 +264,54 @@ def check_compatible(drafter_config: dict[str, Any], base_config: Any) -> None:
                 f"drafter {key}={drafter_config[key]} does not match {base_name} {key}={base_value}; "
                 f"the heads were trained for {drafter_config.get('base_model_name_or_path', 'another model')}"
             )
+
+
+def save_draft_model(
+    output_dir: str | os.PathLike,
+    model: Any,
+    base_model_name_or_path: str,
+    tokenizer: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a draft causal LM (a `PreTrainedModel`) as a drafter_type "draft_model" checkpoint, atomically: the
+    model and tokenizer in `draft/`, the tokenizer also at the top level. Refuses non-finite weights."""
+    output_dir = Path(output_dir)
+    bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"{output_dir}: refusing to save non-finite weights ({', '.join(bad[:3])})")
+    config = {
+        "drafter_type": "draft_model",
+        "base_model_name_or_path": base_model_name_or_path,
+        "draftsmith_version": draftsmith_version(),
+        "draft_model": {"path": DRAFT_MODEL_DIR, "model_type": model.config.model_type},
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+    }
+    if extra:
+        config["training"] = extra
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "README.md").write_text(model_card(config))
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    atomic_write_dir(output_dir, write)
+    return output_dir
+
+
+def draft_model_folder(path: str | os.PathLike) -> Path:
+    """The draft causal LM's folder inside a drafter_type "draft_model" checkpoint."""
+    path = Path(path)
+    config = read_drafter_config(path)
+    if config["drafter_type"] != "draft_model":
+        raise CheckpointError(f"{path / CONFIG_NAME}: drafter_type {config['drafter_type']!r} is not 'draft_model'")
+    spec = config.get("draft_model")
+    folder = path / str(spec.get("path", DRAFT_MODEL_DIR) if isinstance(spec, dict) else DRAFT_MODEL_DIR)
+    if not (folder / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{folder}: missing the draft model (no {CONFIG_NAME}); named by {path / CONFIG_NAME}")
+    return folder
 
 
 def backbone_folder(path: str | os.PathLike) -> tuple[str, Path] | None:

@@ -14,6 +14,7 @@ import torch
 BUILTIN_PREFIX = "builtin:"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZATIONS = (None, "none", "nf4")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one will do
 
 
 class ModelLoadError(ValueError):
@@ -35,11 +36,15 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
-def _check_reachable(path: str) -> None:
-    """Fail early with one line when a path-looking string does not exist (instead of a hub lookup traceback)."""
+def _check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
+    """Fail early with one line when a path-looking string does not exist (instead of a hub lookup traceback), or
+    when a local directory holds none of the files `needs` lists."""
     looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # hub ids are "org/name"
-    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+    local = os.path.expanduser(path)
+    if looks_local and not os.path.isdir(local):
         raise ModelLoadError(f"model path {path!r} does not exist")
+    if needs and os.path.isdir(local) and not any(os.path.isfile(os.path.join(local, n)) for n in needs):
+        raise ModelLoadError(f"model path {path!r} has no {' or '.join(needs)}")
 
 
 def quantization_config(quantization: str | None, double_quant: bool, compute_dtype: torch.dtype) -> Any:
@@ -67,13 +72,16 @@ def load_target(
     trust_remote_code: bool = False,
     revision: str | None = None,
     frozen: bool = True,
+    tp_plan: Any = None,
 ):
     """Load a causal LM through `AutoModelForCausalLM.from_pretrained`. Frozen models come back in eval mode with
-    requires_grad off."""
+    requires_grad off. `tp_plan="auto"` (or a plan dict) shards the weights tensor-parallel over the process group of a
+    launcher (torchrun): every process runs the same forward and gets the full logits."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
-    _check_reachable(path)
+    _check_reachable(path, needs=("config.json", "adapter_config.json"))
     compute_dtype = torch_dtype(dtype)
     kwargs: dict[str, Any] = dict(
         dtype=compute_dtype,
@@ -88,9 +96,15 @@ def load_target(
         kwargs["device_map"] = device_map or ("cuda:0" if torch.cuda.is_available() else "cpu")
     elif device_map is not None:
         kwargs["device_map"] = device_map
+    if tp_plan is not None:
+        from transformers import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as e:
+    except SafetensorError as e:  # a truncated or corrupted *.safetensors file
+        raise ModelLoadError(f"cannot load model {name_or_path!r}: corrupted safetensors weights ({e})") from None
+    except (OSError, ValueError) as e:  # missing files; unrecognised config, unsupported attention or quantization
         first = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {first}") from None
     if frozen:
@@ -103,7 +117,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    _check_reachable(path)
+    _check_reachable(path, needs=TOKENIZER_FILES)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:

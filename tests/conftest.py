@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import os
 
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+# Offline before anything imports huggingface_hub / datasets / wandb: they read these once, at import time.
+# Subprocesses started by tests inherit them. The socket guard at the end of this file catches what slips through.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+os.environ.update(OFFLINE_ENV)
+
+import ipaddress  # noqa: E402
+import socket  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 TINY_VOCAB = 128
@@ -74,3 +83,76 @@ def tiny_lm_factory() -> Callable[..., torch.nn.Module]:
 def tiny_lm(request, tiny_lm_factory) -> torch.nn.Module:
     """One tiny random model per architecture in TINY_ARCHS."""
     return tiny_lm_factory(request.param)
+
+
+# --- Offline guard: a test that opens a connection to a non-loopback address fails, even if the library that tried
+# swallows the error. Loopback (torch.distributed rendezvous, local servers) and Unix sockets stay allowed.
+
+class NetworkAccessError(RuntimeError):
+    """Raised instead of connecting: not an OSError, so HTTP clients do not mistake it for a flaky network."""
+
+
+_attempts: list[list[str]] = [[]]  # the running test's record (see the `network_attempts` fixture)
+_LOCAL_NAMES = {"localhost", socket.gethostname()}
+
+
+def _is_local(host: str | None) -> bool:
+    if host is None or host in _LOCAL_NAMES:
+        return True
+    return _is_numeric(host) and ipaddress.ip_address(host.split("%")[0]).is_loopback
+
+
+def _blocked(what: str) -> NetworkAccessError:
+    _attempts[-1].append(what)
+    return NetworkAccessError(f"tests run offline: {what} blocked")
+
+
+def _guard_connect(real: Callable) -> Callable:
+    def connect(self, address):
+        if isinstance(address, tuple) and not _is_local(address[0]):  # a tuple: an AF_INET/AF_INET6 address
+            raise _blocked(f"connect to {address[0]}:{address[1]}")
+        return real(self, address)
+
+    return connect
+
+
+def _is_numeric(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+        return True
+    except ValueError:
+        return False
+
+
+def _guard_getaddrinfo(real: Callable) -> Callable:
+    def getaddrinfo(host, *args, **kwargs):
+        name = host.decode() if isinstance(host, bytes) else host
+        if not _is_local(name) and not _is_numeric(name):  # a numeric address resolves locally; connect() judges it
+            raise _blocked(f"name lookup of {name}")
+        return real(host, *args, **kwargs)
+
+    return getaddrinfo
+
+
+def pytest_configure(config) -> None:
+    socket.socket.connect = _guard_connect(socket.socket.connect)
+    socket.socket.connect_ex = _guard_connect(socket.socket.connect_ex)
+    socket.getaddrinfo = _guard_getaddrinfo(socket.getaddrinfo)
+
+
+@pytest.fixture(autouse=True)
+def network_attempts():
+    """The network accesses the guard blocked during this test; the test fails if any remain at its end (a test that
+    provokes one on purpose clears the list)."""
+    _attempts.append([])
+    yield _attempts[-1]
+    attempts = _attempts.pop()
+    if attempts:
+        pytest.fail(f"test tried to reach the network: {'; '.join(attempts)}", pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Attempts outside any test (session fixtures, collection) fail the run too."""
+    if _attempts[0]:
+        print(f"\nerror: the test session tried to reach the network: {'; '.join(_attempts[0])}")
+        session.exitstatus = 1

@@ -60,7 +60,7 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr("models.checkpoint.save_file", boom)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CheckpointError, match="No space"):  # a storage failure is a one-line user error
         save_drafter(target, random_heads(seed=2), "second")
     assert read_drafter_config(target)["base_model_name_or_path"] == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -59,12 +59,13 @@ def test_missing_and_unknown_model_and_method():
         parse(["medusa1"])
     with pytest.raises(UsageError, match="unknown model 'nope'; available: .*vicuna7b"):
         parse(["medusa1", "+model=nope"])
-    with pytest.raises(UsageError, match="unknown method 'nope'; available: medusa1"):
+    with pytest.raises(UsageError, match="unknown method 'nope'; available: .*medusa1"):
         parse(["nope", "+model=tiny"])
 
 
 def test_deepspeed_local_rank_is_tolerated(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "unset")  # registers the variable so teardown restores its absence
+    monkeypatch.delenv("LOCAL_RANK")
     assert pop_local_rank(["medusa1", "+model=tiny", "--local_rank=3"]) == ["medusa1", "+model=tiny"]
     import os
 

@@ -7,18 +7,22 @@ module stays free of method branches.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+
+from train.distributed import deepspeed_settings, gathered, init_deepspeed_comm, is_main_process
 
 log = logging.getLogger("draftsmith")
 
@@ -56,9 +60,37 @@ class TrainMethod(Protocol):
     def load(self, model: nn.Module, checkpoint_dir: Path) -> None: ...
 
 
+@runtime_checkable
+class ProvidesData(Protocol):
+    """A method trained on its own sample shape (e.g. cllm's Jacobi trajectories) instead of `data`'s chat samples."""
+
+    def datasets(self, tokenizer: Any) -> Any:
+        """An object with .train and .validation (None when empty), like data.datasets.SplitDatasets."""
+        ...
+
+    def collator(self, tokenizer: Any) -> Callable[[list[dict]], dict[str, torch.Tensor]]: ...
+
+
 def load_method(cfg: DictConfig) -> TrainMethod:
     module = importlib.import_module(f"train.{cfg.method.name}")
     return module.Method(cfg)
+
+
+class LossModule(nn.Module):
+    """What HF Trainer wraps (DDP, a DeepSpeed engine): forward(**batch) is the method's loss on `model`, the module
+    `method.build` returned. Training forwards must pass through the wrapper: DDP syncs gradients, and DeepSpeed
+    scales, reduces and (ZeRO-3) fetches parameters, only for those."""
+
+    accepts_loss_kwargs = False  # HF Trainer divides the loss by the accumulation steps itself
+
+    def __init__(self, model: nn.Module, method: TrainMethod) -> None:
+        super().__init__()
+        self.model = model
+        self.method = method
+
+    def forward(self, **batch: torch.Tensor) -> dict[str, Any]:
+        out = self.method.forward_loss(self.model, batch)
+        return {"loss": out.loss, "metrics": out.metrics}  # a dict: DeepSpeed hooks output tensors of dicts only
 
 
 class DraftTrainer(Trainer):
@@ -77,8 +109,13 @@ class DraftTrainer(Trainer):
         if isinstance(method, TrainerCallback):  # a method whose loss depends on the step (e.g. medusa2's schedule)
             self.add_callback(method)
 
+    @property
+    def method_model(self) -> nn.Module:
+        """The module `method.build` returned (self.model is the LossModule around it)."""
+        return self.model.model
+
     def create_optimizer(self, model=None):
-        groups = self.method.param_groups(self.model, self.args.learning_rate)
+        groups = self.method.param_groups(self.method_model, self.args.learning_rate)
         if groups is None or self.optimizer is not None:
             return super().create_optimizer(model)
         optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
@@ -86,7 +123,8 @@ class DraftTrainer(Trainer):
         return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = self.method.forward_loss(model, inputs)
+        outputs = model(**inputs)  # through the DDP/DeepSpeed wrapper, see LossModule
+        out = StepOutput(loss=outputs["loss"], metrics=outputs["metrics"])
         if not torch.isfinite(out.loss):
             out = self._nonfinite(model, out)
         for key, value in out.metrics.items():
@@ -117,8 +155,12 @@ class DraftTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        dataloader = self.get_eval_dataloader(eval_dataset)
-        model = self.model
+        # Every process evaluates the whole validation set (not a 1/world shard): the metrics need no reduction and equal
+        # a one-process run's, and under ZeRO-3 every process runs the same forwards, as its parameter gathers require.
+        dataloader = torch.utils.data.DataLoader(
+            eval_dataset if eval_dataset is not None else self.eval_dataset, batch_size=self.args.eval_batch_size,
+            collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers)
+        model = self.method_model
         was_training = model.training
         model.eval()
         metrics = self.method.evaluate(model, dataloader, self.processing_class, self.prompts)
@@ -127,13 +169,35 @@ class DraftTrainer(Trainer):
         self.log(metrics)
         return metrics
 
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        output_dir = Path(output_dir or self.args.output_dir)
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The drafter checkpoint only; never HF's whole-model state dict (under ZeRO-3 that gathers the frozen target
+        into one process at every save)."""
         extra = {**self.extra, "global_step": self.state.global_step}
-        self.method.save(self.model, output_dir, self.processing_class, extra)
+        self.save_drafter(Path(output_dir or self.args.output_dir), extra)
+
+    def save_drafter(self, output_dir: Path, extra: dict[str, Any]) -> None:
+        """Every process calls this: under ZeRO-3 the trainable parameters are gathered (a collective) and the main
+        process writes them, full-size, in the draftsmith format. Gathered weights are the module's: fp32, or 16-bit
+        with training.bf16 under DeepSpeed."""
+        with gathered(p for p in self.method_model.parameters() if p.requires_grad):
+            if self.args.should_save:
+                # Rewriting a checkpoint (resumed from an earlier one): incomplete until Trainer rewrites this last.
+                (output_dir / "trainer_state.json").unlink(missing_ok=True)
+                self.method.save(self.method_model, output_dir, self.processing_class, extra)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        self.method.load(model or self.model, Path(resume_from_checkpoint))
+        self.method.load(self.method_model, Path(resume_from_checkpoint))
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial) -> tuple[int, int]:
+        """HF Trainer resumed from a checkpoint at max_steps (whose max_steps ends mid-epoch) runs one step past it:
+        the step loop checks for the end only after a step. Report every epoch done instead, so it trains no more
+        (a run killed after its last checkpoint then resumes to the same weights)."""
+        epochs, steps = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
+                                                     resume_from_checkpoint, trial)
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            return num_train_epochs, 0
+        return epochs, steps
 
 
 def configure_logger(cfg: DictConfig) -> list[str]:
@@ -161,25 +225,61 @@ def _wandb_key_available() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a complete trainer checkpoint, or None when it is.
+
+    HF Trainer writes a checkpoint in this order: weights (our atomic save, config.json last), optimizer, scheduler,
+    RNG state, then trainer_state.json last (tests/test_resume.py pins that order). So a checkpoint is complete when
+    config.json exists and trainer_state.json parses (a kill can cut its non-atomic write short) and names the step.
+    """
+    if not path.is_dir():
+        return "no such directory"
+    if not (path / "config.json").is_file():
+        return "no config.json (the weights were not completely written)"
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except FileNotFoundError:
+        return "no trainer_state.json (the checkpoint was not completely written)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"trainer_state.json is unreadable ({e})"
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        return "trainer_state.json has no global_step"
+    return None
+
+
 def resolve_resume(setting: str | None, checkpoints_dir: Path) -> str | None:
-    """"auto" -> newest complete trainer checkpoint (config.json and trainer_state.json written), else None."""
+    """"auto" -> newest complete trainer checkpoint (see `checkpoint_problem`), else None; a path -> that path,
+    which must be complete. Torn checkpoints are skipped with a warning; on the main process, temporary directories
+    left by a killed write (of a checkpoint, or of the final output next to `checkpoints_dir.parent`) are removed."""
+    from models.checkpoint import CheckpointError
+
     if setting in (None, "", "none"):
         return None
     if setting != "auto":
-        if not (Path(setting) / "trainer_state.json").is_file():
-            raise ValueError(f"training.resume_from_checkpoint={setting}: not a complete trainer checkpoint")
+        problem = checkpoint_problem(Path(setting))
+        if problem:
+            raise CheckpointError(f"training.resume_from_checkpoint={setting}: not a complete checkpoint ({problem})")
         return setting
-    complete = [
-        p for p in checkpoints_dir.glob("checkpoint-*")
-        if (p / "trainer_state.json").is_file() and (p / "config.json").is_file() and p.name.split("-")[-1].isdigit()
-    ]
-    return str(max(complete, key=lambda p: int(p.name.split("-")[-1]))) if complete else None
+    if is_main_process():
+        output_dir = checkpoints_dir.parent
+        for stale in [*checkpoints_dir.glob(".checkpoint-*.tmp-*"), *output_dir.parent.glob(f".{output_dir.name}.tmp-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # models.checkpoint.atomic_write_dir temporaries
+    found = [p for p in checkpoints_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    steps = {p: int(p.name.split("-")[-1]) for p in found}
+    for path in sorted(steps, key=steps.get, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        log.warning("not resuming from %s: %s", path, problem)
+    return None
 
 
-def training_arguments(cfg: DictConfig, report_to: list[str]) -> TrainingArguments:
+def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[str, Any] | None = None) -> TrainingArguments:
+    """`deepspeed`: a resolved DeepSpeed dict (train.distributed.deepspeed_settings) or None. Under ZeRO-3, build the
+    arguments before loading the target: from_pretrained partitions it only while they are alive."""
     t = cfg.training
     passthrough = {k: v for k, v in OmegaConf.to_container(t).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite")}
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(Path(cfg.output_dir) / TRAINER_CHECKPOINTS),
         eval_strategy="steps" if t.eval_steps else "no",
         eval_steps=t.eval_steps,
@@ -191,8 +291,12 @@ def training_arguments(cfg: DictConfig, report_to: list[str]) -> TrainingArgumen
         remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=False,
+        deepspeed=deepspeed,
         **passthrough,
     )
+    if deepspeed is not None:
+        init_deepspeed_comm()
+    return args
 
 
 def prompt_ids(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
@@ -229,6 +333,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     method = load_method(cfg)
 
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.chat_template or cfg.data.chat_template, cfg.model.trust_remote_code)
+    args = training_arguments(cfg, report_to, deepspeed_settings(cfg))  # before the target: ZeRO-3 loads it partitioned
     target = load_target(
         cfg.model.path,
         dtype=cfg.model.dtype,
@@ -238,7 +343,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         trust_remote_code=cfg.model.trust_remote_code,
         revision=cfg.model.revision,
     )
-    datasets = build_datasets(cfg.data, tokenizer)
+    own_data = isinstance(method, ProvidesData)
+    datasets = method.datasets(tokenizer) if own_data else build_datasets(cfg.data, tokenizer)
     model = method.build(target, tokenizer)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_val = len(datasets.validation) if datasets.validation is not None else 0
@@ -253,13 +359,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
         "command": "python -m train " + shlex.join(sys.argv[1:]),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    args = training_arguments(cfg, report_to)
     trainer = DraftTrainer(
-        model=model,
+        model=LossModule(model, method),
         args=args,
         train_dataset=datasets.train,
         eval_dataset=datasets.validation,
-        data_collator=ChatCollator(tokenizer.pad_token_id),
+        data_collator=method.collator(tokenizer) if own_data else ChatCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         method=method,
         prompts=prompt_ids(cfg, tokenizer),
@@ -272,7 +377,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate() if n_val else {}
     extra["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, float)}
-    method.save(model, output_dir, tokenizer, {**extra, "global_step": trainer.state.global_step})
+    trainer.save_drafter(output_dir, {**extra, "global_step": trainer.state.global_step})
+    if not is_main_process():
+        return metrics
     if metrics:
         print(method.report(metrics), flush=True)
     print(f"checkpoint: {output_dir}", flush=True)

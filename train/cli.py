@@ -7,23 +7,31 @@ one readable line and exit code 2 instead of a multi-line Hydra report.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import errno
 import os
 import re
 import sys
 from importlib import resources
+from pathlib import Path
 
 from hydra import compose, initialize_config_module
 from hydra._internal.utils import get_args_parser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from train import config as schema
 from train.config import register_configs
 
 CONFIG_MODULE = "conf"
 CONFIG_NAME = "train"
 USAGE = "usage: python -m train <method> +model=<name> [key=value ...]"
 _LOCAL_RANK = re.compile(r"^--local[_-]rank=(\d+)$")
+_NOT_IN_SCHEMA = re.compile(r"Could not override '([^']+)'.*Key '([^']+)' not in '(\w+)'", re.S)
+# OSErrors of the storage (not of the program): reported as one line naming the file.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOTDIR)
 
 
 class UsageError(Exception):
@@ -73,11 +81,76 @@ def check_overrides(plain: list[str]) -> None:
             raise UsageError(f"unknown {group} '{name}'; available: {', '.join(available(group))}") from None
         raise UsageError(_one_line(e)) from None
     except (HydraException, OmegaConfBaseException, ValueError) as e:
+        unknown = _NOT_IN_SCHEMA.search(_one_line(e))
+        if unknown:
+            raise UsageError(unknown_key_message(unknown.group(1), unknown.group(3))) from None
         raise UsageError(_one_line(e)) from None
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise UsageError(f"incomplete config: {_one_line(e)}") from None
+    for override in plain:  # "+key=value" adds a key even to a structured node: only schema keys may be added
+        key = override.lstrip("+").partition("=")[0]
+        if override.startswith("+") and not _has_field(cfg, key):
+            raise UsageError(unknown_key_message(key, _schema_of(cfg, key).__name__))
+    check_values(cfg)
+
+
+def _schema_of(cfg: DictConfig, key: str) -> type | None:
+    parent_key = key.rpartition(".")[0]
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    kind = OmegaConf.get_type(parent) if isinstance(parent, DictConfig) else None
+    return kind if kind is not None and dataclasses.is_dataclass(kind) else None
+
+
+def _has_field(cfg: DictConfig, key: str) -> bool:
+    kind = _schema_of(cfg, key)
+    return kind is None or key.rpartition(".")[2] in {f.name for f in dataclasses.fields(kind)}
+
+
+def unknown_key_message(key: str, schema_name: str) -> str:
+    """'unknown config key ...' with the closest existing key of the same node, when one is close."""
+    kind = getattr(schema, schema_name, None)
+    parent, _, name = key.rpartition(".")
+    names = [f.name for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else []
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    hint = f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?" if close else ""
+    return f"unknown config key '{key}'{hint}"
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Settings whose type is right but whose value is not: fail here, naming the key, not deep in the run."""
+    from data.readers import FORMATS
+    from models.loading import DTYPES, QUANTIZATIONS
+
+    choices = {
+        "model.dtype": tuple(DTYPES),
+        "model.quantization": QUANTIZATIONS,
+        "data.format": ("builtin", *FORMATS),
+        "data.on_error": ("raise", "skip"),
+        "training.on_nonfinite": ("stop", "skip"),
+    }
+    for key, allowed in choices.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else a for a in allowed)
+            raise UsageError(f"{key}={value}: choose one of {shown}")
+    for key, low in (("method.num_heads", 1), ("method.num_layers", 0)):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < low:
+            raise UsageError(f"{key}={value}: must be >= {low}")
+    check_output_dir(cfg.output_dir)
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The nearest existing ancestor of output_dir must be a writable directory (a file in the way fails here,
+    before Hydra creates the run directory)."""
+    path = Path(output_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"output_dir={output_dir}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"output_dir={output_dir}: {existing} is not writable")
 
 
 def parse(argv: list[str]) -> list[str]:
@@ -116,6 +189,11 @@ def run_task(cfg) -> None:
         run(cfg)
     except user_errors() as e:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)  # the newline ends a progress bar's line
+        raise SystemExit(1) from None
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"\nerror: {e.filename or cfg.output_dir}: {e.strerror}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 

@@ -126,6 +126,44 @@ class Medusa2Config:
 
 
 @dataclass
+class CllmConfig:
+    """CLLM (train/cllm.py): L = consistency_weight·L_consistency + ar_weight·L_AR on Jacobi trajectories."""
+
+    name: str = "cllm"
+    trajectories: Optional[str] = None  # JSONL from `python -m data.jacobi` (required)
+    block_size: Optional[int] = None  # null: the trajectories' own N; set: must match them (16 or 32 in the paper)
+    init: str = "random"  # Jacobi initialisation the engine uses with this checkpoint: random | pad | repeat
+    consistency: str = "global"  # global: any state -> fixed point | local: each state -> the next one
+    divergence: str = "kl"  # kl: forward KL(teacher ‖ model) | soft_ce: cross-entropy to the teacher distribution
+    consistency_weight: float = 1.0
+    ar_source: str = "target_output"  # target_output: the target's greedy answer | ground_truth: the data's reply
+    ar_weight: float = 1.0  # 0 skips the AR term
+    backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
+    lora_r: int = 32
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head
+    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DistillConfig:
+    """Draft-model distillation (train/distill.py): the draft learns the frozen target's next-token distributions."""
+
+    name: str = "distill"
+    draft: str = "builtin:tiny-draft"  # the draft causal LM: a conf/model name, hub id, directory or builtin:<name>
+    draft_dtype: str = "fp32"  # the draft's training dtype (bf16 | fp16 | fp32)
+    divergence: str = "fkl"  # fkl | rkl | jsd | tvd
+    jsd_beta: float = 0.5  # β of the generalised JSD, in (0, 1)
+    temperature: float = 1.0  # τ on both models' logits in the loss and the α estimate
+    on_policy_fraction: float = 0.0  # share of batches whose responses the draft samples itself (GKD λ)
+    max_new_tokens: int = 64  # length of on-policy samples
+    sample_temperature: float = 1.0  # temperature of on-policy sampling
+    eval_initial: bool = True  # also evaluate the untrained draft (α before/after in one table)
+
+
+@dataclass
 class TrainConfig:
     method: Any = MISSING
     model: ModelConfig = MISSING
@@ -138,7 +176,7 @@ class TrainConfig:
     seed: int = 42
 
 
-METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config}
+METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config, "cllm": CllmConfig, "distill": DistillConfig}
 
 
 def register_configs() -> None:

@@ -20,6 +20,7 @@ from models.backbone import final_hidden
 from models.checkpoint import load_drafter, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
 from train.base import StepOutput
+from train.distributed import gathered
 
 TOPK = (1, 5)
 
@@ -106,16 +107,18 @@ class Method:
         self.m = cfg.method
 
     def build(self, target: nn.Module, tokenizer: Any) -> MedusaTrainModule:
-        config = MedusaConfig(
-            num_heads=self.m.num_heads,
-            num_layers=self.m.num_layers,
-            hidden_size=target.config.get_text_config().hidden_size,
-            vocab_size=target.get_output_embeddings().weight.shape[0],
-            share_lm_head=self.m.share_lm_head,
-        )
-        heads = MedusaHeads(config)
-        if self.m.init_from_lm_head and not config.share_lm_head:
-            heads.init_from_base(target.get_output_embeddings())
+        lm_head = target.get_output_embeddings()
+        with gathered([lm_head.weight]):  # ZeRO-3 loads the target partitioned: read the full lm_head (all ranks)
+            config = MedusaConfig(
+                num_heads=self.m.num_heads,
+                num_layers=self.m.num_layers,
+                hidden_size=target.config.get_text_config().hidden_size,
+                vocab_size=lm_head.weight.shape[0],
+                share_lm_head=self.m.share_lm_head,
+            )
+            heads = MedusaHeads(config)
+            if self.m.init_from_lm_head and not config.share_lm_head:
+                heads.init_from_base(lm_head)
         target.requires_grad_(False).eval()
         return MedusaTrainModule(target, heads.float())
 
