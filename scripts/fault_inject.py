@@ -7,8 +7,9 @@ Everything runs offline on a tiny random Llama saved to the work folder (tests/m
 one CPU thread per run so the uninterrupted and the resumed runs do the same float operations in the same order.
 Kill moments alternate between
     random   a random moment inside a random step still to come (forward, optimizer, logging or saving), and
-    save     as soon as a checkpoint is being written: an atomic-write temporary folder exists, or a
-             checkpoint-N folder has no complete trainer_state.json yet (see train.base.checkpoint_problem).
+    save     once a checkpoint is being written (an atomic-write temporary folder exists, or a checkpoint-N folder
+             has no complete trainer_state.json yet, see train.base.checkpoint_problem): at once, or up to 0.1 s
+             later (while Trainer writes the optimizer, scheduler, RNG and trainer state).
 Prints one line per launch (what was killed, what the disk held, which checkpoint the next launch resumed from) and
 a report: kills, resumes, torn checkpoints seen, max |Δ| between the final heads. Exit code 0 iff bit-identical.
 """
@@ -116,6 +117,7 @@ def launch(cmd: list[str], log: Path, out: Path, mode: str, steps: int, step_sec
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, env=environment())
     target, kill_at = None, None
+    save_delay = rng.choice([0.0, rng.uniform(0.0, 0.1)])  # the save's first write, or later in it (optimizer, state)
     while proc.poll() is None:
         now, step = time.monotonic(), progress(log, steps)
         if mode == "random" and step is not None:
@@ -125,7 +127,9 @@ def launch(cmd: list[str], log: Path, out: Path, mode: str, steps: int, step_sec
                 kill_at = now + rng.uniform(0.0, step_seconds)
             if kill_at is not None and now >= kill_at:
                 break
-        if mode == "save" and step is not None and saving(out, torn_at_start):  # started: stale temporaries gone
+        if mode == "save" and kill_at is None and step is not None and saving(out, torn_at_start):
+            kill_at = now + save_delay  # checked only once training started: stale temporaries are gone by then
+        if mode == "save" and kill_at is not None and now >= kill_at:
             break
         time.sleep(POLL_S if mode == "save" else 0.01)
     killed = proc.poll() is None
