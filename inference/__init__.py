@@ -6,7 +6,8 @@
     out.sequences, out.stats
 
 Modules: tree (choice paths -> buffers), verify (greedy / typical (lossy) / rejection sampling), cache (tree masks
-and KV surgery), drafters (Drafter protocol, NoDrafter, MedusaDrafter), draft_model (DraftModelDrafter), generate (the loop), api (load + Engine).
+and KV surgery), drafters (Drafter protocol, NoDrafter, MedusaDrafter), draft_model (DraftModelDrafter), generate (the
+loop), api (load + Engine), devices (where a target split by device_map computes).
 """
 
 from inference.api import Engine, load

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from inference.devices import input_device, output_device
 from inference.draft_model import build_draft_model_drafter, is_plain_model, plain_model_config
 from inference.drafters import Drafter, MedusaDrafter, NoDrafter
 from inference.generate import DecodeConfig, GenerationOutput, generate
@@ -28,7 +29,8 @@ MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is
 
 
 def _medusa(path: Path, model: torch.nn.Module, tree: Any, topk: int, device: torch.device) -> Drafter:
-    loaded = load_drafter(path, device=device, dtype=model.get_input_embeddings().weight.dtype)
+    """Heads on the lm_head's device (they read the same final hidden state), the tree on the input `device`."""
+    loaded = load_drafter(path, device=output_device(model), dtype=model.get_input_embeddings().weight.dtype)
     check_compatible(loaded.config, model.config)
     buffers = load_tree(tree, num_heads=loaded.heads.config.num_heads, topk=topk, device=device)
     base_lm_head = model.get_output_embeddings() if loaded.heads.config.share_lm_head else None
@@ -71,7 +73,8 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        """Where prompts go: the input embeddings' device (the first device of a target split by device_map)."""
+        return input_device(self.model)
 
     @property
     def tree(self) -> TreeBuffers | None:
@@ -142,6 +145,8 @@ def load(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     tp_plan: Any = None,
+    device_map: Any = None,
+    offload_folder: str | Path | None = None,
 ) -> Engine:
     """Load a base model and (optionally) a drafter checkpoint into an Engine.
 
@@ -151,7 +156,10 @@ def load(
     autoregressively through the same loop (the baseline). `tree` is a tree spec for tree drafters (see
     inference.tree.load_tree); None uses the shipped default for the drafter's head count. `tp_plan="auto"` under
     torchrun shards the target tensor-parallel across the processes (`device` is then each process's own device);
-    every process runs the same loop and returns the same tokens."""
+    every process runs the same loop and returns the same tokens. `device_map` ("auto", "balanced", a dict or a JSON
+    file, see models.loading.resolve_device_map) splits a target too big for one device across several (accelerate
+    dispatch; "disk" entries need `offload_folder`); `device` is then unused: the engine works on the input
+    embeddings' device and Medusa heads sit on the lm_head's."""
     config = None
     named = isinstance(drafter_path, str) and drafter_path.partition(":")[0] in NAMED_DRAFTERS
     if named and not Path(drafter_path).exists():
@@ -176,15 +184,18 @@ def load(
         raise ValueError("load: pass drafter_path (a draftsmith checkpoint) or base (a model to decode alone)")
     elif tree is not None:
         raise ValueError("load: tree= needs a tree drafter; pass drafter_path")
+    if device_map is not None and tp_plan is not None:
+        raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
-                         trust_remote_code=trust_remote_code, tp_plan=tp_plan)
+                         trust_remote_code=trust_remote_code, tp_plan=tp_plan, device_map=device_map,
+                         offload_folder=offload_folder)
     if config is not None and config.get("backbone"):  # a fine-tuned target (Medusa-2, CLLM) ships with the drafter
         model = load_drafter_target(drafter_path, base, **target_kwargs)
     else:
         model = load_target(base, **target_kwargs)
-    if quantization in (None, "none") and tp_plan is None:  # tensor parallel places each shard itself
+    if quantization in (None, "none") and tp_plan is None and device_map is None:  # those place the weights themselves
         model.to(device)
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     if named_spec is not None:
         return Engine(model, NAMED_DRAFTERS[named_spec.partition(":")[0]](named_spec, model), {"drafter_type": named_spec})
     if config is None:

@@ -34,6 +34,7 @@ import torch
 from inference.benchstats import Answer, TurnResult, format_table, summarize
 from inference.cli import (UsageError, add_model_args, add_sampling_args, check_sampling, encode_messages,
                            open_session)
+from inference.devices import input_device
 from inference.drafters import NoDrafter
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"  # ../shared
@@ -109,8 +110,7 @@ class HFRunner:
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnResult:
         s = self.sampling
-        device = self.model.get_input_embeddings().weight.device
-        ids = torch.tensor([prompt_ids], device=device)
+        ids = torch.tensor([prompt_ids], device=input_device(self.model))
         kwargs: dict[str, Any] = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
         if s.temperature > 0:
             kwargs = {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k or None, "top_p": s.top_p}

@@ -13,10 +13,13 @@ Surgery: after a tree forward the cache holds S + K slots. `keep_nodes` copies t
 into slots S .. S+N-1 (a gather of N entries per layer) and crops the rest with `DynamicCache.crop`. Chosen by
 per-step cost against `index_select` of the whole sequence: 12 layers x 12 heads x 64 dims bf16, N = 4 of K = 16,
 in-place gather + crop ~1.1 ms at any S, whole-sequence index_select 2.2 / 12 / 31 ms at S = 256 / 1024 / 2048.
-A chain-shaped accepted path (nodes 0..N-1, e.g. a chain tree) needs only the crop (~0.2 ms).
+A chain-shaped accepted path (nodes 0..N-1, e.g. a chain tree) needs only the crop (~0.2 ms). Under `device_map`
+every layer's keys/values stay on that layer's device; the gather index is copied to each device once per step.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -71,17 +74,32 @@ def keep_nodes(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     tree_len = cache.get_seq_length() - start
     contiguous = bool((keep == torch.arange(n, device=keep.device)).all())
     if not contiguous:
+        on_device = _per_device(keep)
         for layer in cache.layers:
-            for kv in (layer.keys, layer.values):  # [B, H, S + K, Dh]
+            for kv in (layer.keys, layer.values):  # [B, H, S + K, Dh]; each layer on its own device under device_map
                 tree_kv = kv[:, :, start:]
+                here = on_device(kv.device)
                 if b == 1:
-                    picked = tree_kv.index_select(2, keep[0])
+                    picked = tree_kv.index_select(2, here[0])
                 else:
-                    index = keep[:, None, :, None].expand(b, kv.shape[1], n, kv.shape[3])
+                    index = here[:, None, :, None].expand(b, kv.shape[1], n, kv.shape[3])
                     picked = tree_kv.gather(2, index)  # [B, H, N, Dh]
                 kv[:, :, start : start + n] = picked  # `picked` is a copy, so overlapping slots are safe
     if tree_len > n:
         cache.crop(-(tree_len - n))
+
+
+def _per_device(index: torch.Tensor) -> Callable[[torch.device], torch.Tensor]:
+    """`index` on a given device, copied once per device (a target split by device_map keeps each layer's cache on
+    that layer's device)."""
+    copies = {index.device: index}
+
+    def on(device: torch.device) -> torch.Tensor:
+        if device not in copies:
+            copies[device] = index.to(device)
+        return copies[device]
+
+    return on
 
 
 def commit_slots(valid: torch.Tensor, num_accepted: torch.Tensor, width: int) -> torch.Tensor:

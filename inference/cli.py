@@ -64,6 +64,10 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the conf/model's, else bf16")
     p.add_argument("--quantization", choices=("none", "nf4"), default="none")
     p.add_argument("--device", help="default: cuda when available, else cpu")
+    p.add_argument("--device-map", help="split a target too big for one GPU across devices (accelerate): auto | "
+                                        "balanced | balanced_low_0 | sequential | a JSON file or object mapping "
+                                        "module names to GPU indices, \"cpu\" or \"disk\"; excludes --device")
+    p.add_argument("--offload-folder", help="directory for the weights a --device-map puts on \"disk\"")
     p.add_argument("--chat-template", help="shipped template name (vicuna_v1.1, llama-2-chat) or a Jinja string "
                                            "(default: the checkpoint's training setting, else the tokenizer's own)")
     p.add_argument("--seed", type=int, default=0)
@@ -156,11 +160,16 @@ def open_session(args: argparse.Namespace) -> Session:
         raise UsageError(f"--drafter {name} needs --base (the model to decode with)")
     if name == "none" and args.tree is not None:
         raise UsageError("--tree needs a drafter; --drafter is none")
+    if args.device_map is not None and args.device is not None:
+        raise UsageError("--device and --device-map are exclusive: the device map places every layer")
+    if args.offload_folder is not None and args.device_map is None:
+        raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
     settings = model_settings(base_arg)
     engine = load(
         None if name == "none" else spec, base=settings["path"], dtype=args.dtype or settings["dtype"] or "bf16",
         device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), tree=args.tree,
         quantization=None if args.quantization == "none" else args.quantization,
+        device_map=args.device_map, offload_folder=args.offload_folder,
     )
     tokenizer_path = args.tokenizer
     if tokenizer_path is None:

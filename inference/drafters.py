@@ -99,13 +99,16 @@ class MedusaDrafter:
         self.base_lm_head = base_lm_head
 
     def candidates(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, D] -> top-R token ids of each head the tree uses, [B, H * R] head-major."""
+        """hidden [B, D] -> top-R token ids of each head the tree uses, [B, H * R] head-major, on the heads' device
+        (the lm_head's, for a target split by device_map; the hidden state is moved there)."""
         param = next(self.heads.parameters(), None)  # absent for shared-lm_head heads without residual blocks
-        h = hidden if param is None else hidden.to(param.dtype)
+        h = hidden if param is None else hidden.to(param.device, param.dtype)
         used = self.heads.heads[: self.tree.max_depth]
         head_h = torch.stack([head.blocks(h) for head in used])  # [H, B, D]
         if self.heads.config.share_lm_head:  # one call: the shared D x V weight is read once for all heads
-            logits = self.base_lm_head(head_h.to(self.base_lm_head.weight.dtype))  # [H, B, V]
+            weight = self.base_lm_head.weight  # on "meta" when offloaded: its accelerate hook moves the input itself
+            device = head_h.device if weight.device.type == "meta" else weight.device
+            logits = self.base_lm_head(head_h.to(device, weight.dtype))  # [H, B, V]
         else:
             logits = torch.stack([head.lm_head(x) for head, x in zip(used, head_h)])  # [H, B, V]
         top = logits.topk(self.tree.topk, dim=-1).indices  # [H, B, R]
@@ -116,7 +119,7 @@ class MedusaDrafter:
             raise ValueError("MedusaDrafter needs state.hidden (the loop fills it when needs_hidden is True)")
         if self.tree.num_nodes == 1:
             return Draft(tree=self.tree, tokens=state.root[:, None])
-        table = self.candidates(state.hidden)  # [B, H * R]
+        table = self.candidates(state.hidden).to(state.root.device)  # [B, H * R]
         tokens = torch.cat([state.root[:, None], table[:, self.tree.candidate_index]], dim=1)  # [B, K]
         return Draft(tree=self.tree, tokens=tokens)
 

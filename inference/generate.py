@@ -9,6 +9,10 @@ Lossless: with acceptance="exact" the output equals (greedy) or is distributed a
 alone with the same `SamplingParams`. acceptance="typical" is lossy. "Equals" is up to floating point: a K-node
 forward may round differently from a one-token forward, which can flip a near-tied argmax (rare in fp32, less rare
 in bf16), exactly as batching does in plain decoding.
+
+Devices (a target split by `device_map`, see inference.devices): the loop's state, the drafts and the masks live on
+the input embeddings' device; the cache layers stay on their own layers' devices; logits are turned into tokens
+where they come back (`verify_device`) and the resulting tokens are moved to the state's device.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Callable, Iterator
 import torch
 
 from inference.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.devices import input_device
 from inference.drafters import DecodeState, Draft, Drafter, NoDrafter
+from inference.tree import tree_on
 from inference.verify import (
     SamplingParams, VerifyResult, next_token, verify_greedy, verify_rejection, verify_speculative, verify_typical,
 )
@@ -119,12 +125,13 @@ def prefill(
         input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
         logits_to_keep=1, **({"output_hidden_states": -1} if needs_hidden else {}),
     )
-    root = next_token(out.logits[:, -1], config.sampling, generator)  # [B]
+    last = out.logits[:, -1]  # [B, V]
+    root = next_token(last.to(verify_device(last, config, generator)), config.sampling, generator)  # [B]
     return DecodeState(
         cache=cache,
         valid=pad_mask.clone(),
         next_pos=pad_mask.long().sum(-1),
-        root=root,
+        root=root.to(input_ids.device),
         hidden=out.hidden_states[-1][:, -1] if needs_hidden else None,
         prompt=input_ids,
         generated=[[t] for t in root.tolist()],
@@ -147,9 +154,35 @@ def forward_tree(
     return out.logits, (out.hidden_states[-1] if needs_hidden else None)
 
 
+def verify_device(logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator | None) -> torch.device:
+    """Where target logits become tokens: their own device (a split target may return them from its last device),
+    except when sampling draws from a seeded generator on another device (a generator draws only on its own)."""
+    if generator is None or config.sampling.greedy:
+        return logits.device
+    return generator.device
+
+
 def verify(draft: Draft, logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator | None) -> VerifyResult:
     """Pick the rule: greedy at temperature 0 (whatever `acceptance` says: typical acceptance degenerates to it),
-    else rejection sampling (exact; the p/q rule when the drafts were sampled) or typical acceptance (lossy)."""
+    else rejection sampling (exact; the p/q rule when the drafts were sampled) or typical acceptance (lossy).
+    Runs on `verify_device`, moving the draft there (not the [B, K, V] logits, unless a generator asks); the result
+    comes back on the draft's device."""
+    home = draft.tokens.device
+    return _verify_on(_draft_on(draft, verify_device(logits, config, generator)), logits, config, generator).to(home)
+
+
+def _draft_on(draft: Draft, device: torch.device) -> Draft:
+    if draft.tokens.device == device:
+        return draft
+    probs = None if draft.probs is None else draft.probs.to(device)
+    return Draft(tree=tree_on(draft.tree, device), tokens=draft.tokens.to(device), probs=probs,
+                 replacement=draft.replacement)
+
+
+def _verify_on(
+    draft: Draft, logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator | None
+) -> VerifyResult:
+    logits = logits.to(draft.tokens.device)
     if config.sampling.greedy:
         return verify_greedy(draft.tokens, logits, draft.tree)
     if config.acceptance == "typical":
@@ -172,7 +205,8 @@ def accept(state: DecodeState, result: VerifyResult, hidden: torch.Tensor | None
     state.next_pos = state.next_pos + result.num_accepted + 1
     state.root = result.next_token
     if hidden is not None:
-        state.hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), result.node]  # [B, D]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        state.hidden = hidden[rows, result.node.to(hidden.device)]  # [B, D]
     for row, (toks, n) in enumerate(zip(result.tokens.tolist(), result.num_accepted.tolist())):
         state.generated[row].extend(toks[: n + 1])
 
@@ -214,7 +248,9 @@ def generate(
     committed; returning True stops that row there (e.g. a stop string found in the decoded text). Rows that stop
     early keep riding along in the batch; their extra tokens are discarded."""
     drafter = drafter if drafter is not None else NoDrafter()
+    input_ids = input_ids.to(input_device(model))
     pad_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    pad_mask = pad_mask.to(input_ids.device)
     if not bool(pad_mask[:, -1].all()):
         raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
     check_window(model, input_ids.shape[1] + config.max_new_tokens)

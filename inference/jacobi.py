@@ -140,7 +140,7 @@ class JacobiDrafter:
         if state.logits is None:
             raise ValueError("JacobiDrafter needs state.logits (the loop stores the last tree forward's logits)")
         run: JacobiRun = state.drafter_state
-        pred = state.logits.argmax(-1)  # [B, N]: token after each node
+        pred = state.logits.argmax(-1).to(state.root.device)  # [B, N]: token after each node
         n = pred.shape[1]
         accepted = result.num_accepted  # [B]
         source = accepted[:, None] + 1 + torch.arange(n - 1, device=pred.device)  # [B, N - 1] index into pred

@@ -15,6 +15,7 @@ are contiguous-in-rank: the order rejection sampling tries them in.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -57,6 +58,13 @@ class TreeBuffers:
     def to(self, device: torch.device | str) -> TreeBuffers:
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return TreeBuffers(**{**vars(self), **moved})
+
+
+@functools.lru_cache(maxsize=16)
+def tree_on(tree: TreeBuffers, device: torch.device) -> TreeBuffers:
+    """`tree` on `device`, copied once per (tree, device) rather than once per decoding step: verification of a
+    target split across devices runs where its logits come back, away from the state's device."""
+    return tree if tree.depth.device == device else tree.to(device)
 
 
 def validate_choices(choices: Sequence[Sequence[int]], num_heads: int, topk: int, source: str = "tree") -> list[Path_]:

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from inference.cli import UsageError, add_model_args, encode_messages, open_session
+from inference.devices import input_device
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -101,12 +102,14 @@ def score_heads(counter: RankCounter, heads: Any, hidden: torch.Tensor, labels: 
     from models.medusa import head_targets
 
     param = next(heads.parameters(), None)
-    h = hidden if param is None else hidden.to(param.dtype)
+    h = hidden if param is None else hidden.to(param.device, param.dtype)  # heads sit on the lm_head's device
+    labels = labels.to(h.device)
     for k in range(counter.hits.shape[0]):
         targets = head_targets(labels, k + 1)  # [B, T]
         keep = targets != -100
         if keep.any():
-            counter.add(k, heads.head_logits(k, h[keep], base_lm_head).float(), targets[keep])
+            logits = heads.head_logits(k, h[keep], base_lm_head).float()
+            counter.add(k, logits, targets[keep].to(logits.device))
 
 
 def data_config(name: str, overrides: dict[str, Any]) -> Any:
@@ -209,7 +212,7 @@ def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[i
     from inference.tree import build_tree
     from inference.verify import verify_greedy
 
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(vocab, (1, context), generator=gen).to(device)

@@ -95,6 +95,12 @@ class VerifyResult:
     tokens: torch.Tensor  # [B, L] accepted drafts then next_token, padded with -1
     next_token: torch.Tensor  # [B] the target's token after the accepted drafts (correction or bonus)
 
+    def to(self, device: torch.device | str) -> VerifyResult:
+        """The same result on `device` (itself when already there)."""
+        if self.node.device == torch.device(device):
+            return self
+        return VerifyResult(**{k: v.to(device) for k, v in vars(self).items()})
+
 
 def make_result(tree: TreeBuffers, tokens: torch.Tensor, node: torch.Tensor, next_tok: torch.Tensor) -> VerifyResult:
     """Assemble a VerifyResult from the accepted node [B] and the next token [B]."""

@@ -6,7 +6,9 @@ to `from_pretrained` unchanged, so built-in and hub models share one code path.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,6 +17,8 @@ BUILTIN_PREFIX = "builtin:"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZATIONS = (None, "none", "nf4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one will do
+# device_map strategies from_pretrained computes itself (accelerate's infer_auto_device_map over the visible devices)
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 class ModelLoadError(ValueError):
@@ -47,6 +51,68 @@ def _check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
         raise ModelLoadError(f"model path {path!r} has no {' or '.join(needs)}")
 
 
+def resolve_device_map(device_map: Any) -> Any:
+    """A `device_map` for from_pretrained: None; a strategy ("auto", "balanced", "balanced_low_0", "sequential"); one
+    device ("cpu", "cuda:1", or a GPU index); a dict {module name: device}; or a JSON object of that dict, given
+    literally ('{"model.layers.0": 0, ...}') or as a *.json file. Devices are GPU indices, "cpu", "disk" (then pass
+    offload_folder) or device strings. Raises ValueError naming what is wrong."""
+    if device_map is None or (isinstance(device_map, int) and not isinstance(device_map, bool)):
+        return device_map
+    if isinstance(device_map, Path) or (isinstance(device_map, str) and device_map.endswith(".json")):
+        return _device_map_dict(_read_device_map_file(Path(device_map)), str(device_map))
+    if isinstance(device_map, dict):
+        return _device_map_dict(device_map, "device_map")
+    if not isinstance(device_map, str):
+        raise ValueError(f"device_map: expected a string, a dict or a JSON file, got {type(device_map).__name__}")
+    if device_map.lstrip().startswith("{"):
+        try:
+            return _device_map_dict(json.loads(device_map), "device_map")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"device_map: not a valid JSON object ({e.msg})") from None
+    if device_map in DEVICE_MAP_STRATEGIES:
+        return device_map
+    return _device_name(device_map, f"device_map {device_map!r}")
+
+
+def _read_device_map_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise ModelLoadError(f"device_map {path}: cannot read ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"device_map {path}: not valid JSON ({getattr(e, 'msg', e)})") from None
+
+
+def _device_map_dict(data: Any, source: str) -> dict[str, int | str]:
+    """Check a {module name: device} mapping; "" names the whole model."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{source}: expected a non-empty object mapping module names to devices")
+    out: dict[str, int | str] = {}
+    for name, device in data.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{source}: module names must be strings, got {name!r}")
+        if isinstance(device, int) and not isinstance(device, bool):
+            if device < 0:
+                raise ValueError(f"{source}: {name!r}: a GPU index must be >= 0, got {device}")
+            out[name] = device
+        elif isinstance(device, str):
+            out[name] = device if device == "disk" else _device_name(device, f"{source}: {name!r}")
+        else:
+            raise ValueError(f"{source}: {name!r}: expected a GPU index, \"cpu\", \"disk\" or a device string, "
+                             f"got {device!r}")
+    return out
+
+
+def _device_name(device: str, where: str) -> str:
+    try:
+        torch.device(device)
+    except RuntimeError:
+        strategies = ", ".join(DEVICE_MAP_STRATEGIES)
+        raise ValueError(f"{where}: not a device (\"cpu\", \"cuda:1\", ...), a strategy ({strategies}) or a "
+                         "JSON file") from None
+    return device
+
+
 def quantization_config(quantization: str | None, double_quant: bool, compute_dtype: torch.dtype) -> Any:
     if quantization in (None, "none"):
         return None
@@ -73,10 +139,13 @@ def load_target(
     revision: str | None = None,
     frozen: bool = True,
     tp_plan: Any = None,
+    offload_folder: str | os.PathLike | None = None,
 ):
     """Load a causal LM through `AutoModelForCausalLM.from_pretrained`. Frozen models come back in eval mode with
     requires_grad off. `tp_plan="auto"` (or a plan dict) shards the weights tensor-parallel over the process group of a
-    launcher (torchrun): every process runs the same forward and gets the full logits."""
+    launcher (torchrun): every process runs the same forward and gets the full logits. `device_map` (see
+    `resolve_device_map`) splits the layers across devices with accelerate, which places the weights itself: do not
+    `.to()` the model afterwards. Modules mapped to "disk" are stored in `offload_folder`."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
@@ -90,10 +159,19 @@ def load_target(
     )
     if revision is not None:
         kwargs["revision"] = revision
+    device_map = resolve_device_map(device_map)
+    if device_map is not None and tp_plan is not None:
+        raise ValueError("device_map and tp_plan are exclusive: tensor parallelism places the shards itself")
+    if isinstance(device_map, dict) and "disk" in device_map.values() and offload_folder is None:
+        disk = ", ".join(name for name, device in device_map.items() if device == "disk")
+        raise ValueError(f"device_map puts {disk} on \"disk\": pass offload_folder (a directory for those weights)")
+    if offload_folder is not None:
+        kwargs["offload_folder"] = str(offload_folder)
     quant = quantization_config(quantization, double_quant, compute_dtype)
     if quant is not None:
         kwargs["quantization_config"] = quant
-        kwargs["device_map"] = device_map or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        default = "cuda:0" if torch.cuda.is_available() else "cpu"
+        kwargs["device_map"] = device_map if device_map is not None else default
     elif device_map is not None:
         kwargs["device_map"] = device_map
     if tp_plan is not None:
