@@ -17,6 +17,7 @@ Shape letters: B batch, T time, V vocab.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from tqdm.auto import tqdm
 BUILTIN_MODELS = ("tiny", "tiny-draft")
 TOKENIZER_DIR = "tokenizer"
 COMPLETE_MARKER = ".draftsmith-complete"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: recipe of session 2 (smaller batches, more steps); older builds are rebuilt
 MAX_CHAT_TOKENS = 2048  # longer conversations are truncated before packing
 
 BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
@@ -65,13 +66,15 @@ class TinySpec:
     intermediate_size: int
     pretrain_steps: int  # random windows of the corpus token stream
     pretrain_batch: int
-    pretrain_seq_len: int
+    pretrain_seq_len: int  # short windows: many independent samples per step learn fastest early on
     lr: float
     sft_steps: int  # packed rows of encoded conversations
     sft_batch: int
     sft_seq_len: int  # also the evaluation context
     sft_lr: float
     warmup_steps: int
+    long_seq_len: int = 512  # the last `long_fraction` of pretraining uses windows this long, same tokens per step
+    long_fraction: float = 0.0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     max_positions: int = 1024
@@ -81,15 +84,21 @@ class TinySpec:
 
 
 SPECS: dict[str, TinySpec] = {
+    # Recipe from measured sweeps on 2 cores (fp32: bf16 autocast backward is ~10x slower on CPU). At this budget the
+    # number of optimizer steps limits quality: 8 x 128-token windows at lr 1.5e-3 beat 16 x 128 (and 4 x 128) per
+    # token, and 1.5e-3 beat both 8e-4 and 5e-3. The last 20% of pretraining uses 512-token windows so that
+    # positions up to the chat context are trained before SFT.
     "tiny": TinySpec(
         hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768,
-        pretrain_steps=850, pretrain_batch=4, pretrain_seq_len=256, lr=3e-3,
-        sft_steps=160, sft_batch=2, sft_seq_len=512, sft_lr=6e-4, warmup_steps=50,
+        pretrain_steps=900, pretrain_batch=8, pretrain_seq_len=128, lr=1.5e-3,
+        sft_steps=120, sft_batch=2, sft_seq_len=512, sft_lr=6e-4, warmup_steps=30,
+        long_seq_len=512, long_fraction=0.2,
     ),
     "tiny-draft": TinySpec(
         hidden_size=64, num_layers=3, num_heads=2, intermediate_size=192,
-        pretrain_steps=450, pretrain_batch=8, pretrain_seq_len=256, lr=5e-3,
-        sft_steps=60, sft_batch=4, sft_seq_len=512, sft_lr=1.5e-3, warmup_steps=40,
+        pretrain_steps=900, pretrain_batch=8, pretrain_seq_len=128, lr=4e-3,
+        sft_steps=60, sft_batch=4, sft_seq_len=512, sft_lr=1.5e-3, warmup_steps=30,
+        long_seq_len=512, long_fraction=0.2,
     ),
 }
 
@@ -103,10 +112,12 @@ class BuildInfo:
     pretrain_steps: int
     sft_steps: int
     tokens_seen: int
-    seconds: float
+    seconds: float  # training wall time (tokenizer, evaluation and saving excluded)
     cpu_seconds: float
-    val_loss: float  # next-token loss on the corpus validation split (final model)
+    tokens_per_second: int
+    val_loss: float  # next-token loss (nats) on the corpus validation split, final model, sft_seq_len windows
     val_top1: float
+    val_bits_per_byte: float  # the same loss per byte of source text: comparable across tokenizers
     chat_val_loss: float  # assistant-token loss on validation conversations
     chat_val_top1: float
     sample_prompt: str
@@ -124,8 +135,17 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("draftsmith"))
 
 
-def is_complete(path: Path) -> bool:
-    return (Path(path) / COMPLETE_MARKER).is_file()
+def is_complete(path: Path, format_version: int | None = None) -> bool:
+    """Whether `path` holds a finished build (of `format_version`, when given: older recipes are rebuilt)."""
+    marker = Path(path) / COMPLETE_MARKER
+    if not marker.is_file():
+        return False
+    if format_version is None:
+        return True
+    try:
+        return json.loads(marker.read_text()).get("format_version") == format_version
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def ensure_built(name: str, progress: bool = True, cache_dir: Path | None = None, force: bool = False) -> Path:
@@ -137,11 +157,11 @@ def ensure_built(name: str, progress: bool = True, cache_dir: Path | None = None
     _check_name(name)
     models_dir = (cache_root() if cache_dir is None else Path(cache_dir)) / "models"
     target = models_dir / name
-    if is_complete(target) and not force:
+    if is_complete(target, FORMAT_VERSION) and not force:
         return target
     tokenizer_dir = ensure_tokenizer(models_dir / TOKENIZER_DIR, progress=progress)
     with _build_lock(models_dir, name):
-        if force or not is_complete(target):  # another process may have finished it while we waited
+        if force or not is_complete(target, FORMAT_VERSION):  # another process may have finished it while we waited
             with _atomic_dir(target) as tmp:
                 build(name, tmp, tokenizer_dir, progress=progress)
     return target
@@ -213,33 +233,44 @@ def build(
         generator = torch.Generator().manual_seed(spec.seed)
         model = _init_model(spec, tokenizer)
         train_stream = torch.load(tokenizer_dir / "corpus-train.pt", weights_only=True)
-        val_stream = torch.load(tokenizer_dir / "corpus-validation.pt", weights_only=True)
-        pretrain = _window_batches(train_stream, spec.pretrain_batch, spec.pretrain_seq_len, generator)
-        _train(model, pretrain, spec.pretrain_steps, spec.lr, spec,
+        _train(model, _pretrain_batches(train_stream, spec, generator), spec.pretrain_steps, spec.lr, spec,
                f"{name}: pretrain", progress)
         chat_train, chat_val = _conversations(spec.seed, max_conversations)
-        sft_rows = _chat_rows(tokenizer, chat_train, spec.sft_seq_len, spec.sft_steps * spec.sft_batch * spec.sft_seq_len)
+        sft_tokens = spec.sft_steps * spec.sft_batch * spec.sft_seq_len
+        sft_rows = _chat_rows(tokenizer, chat_train, spec.sft_seq_len, sft_tokens)
         _train(model, _row_batches(sft_rows, spec.sft_batch, generator), spec.sft_steps, spec.sft_lr, spec,
                f"{name}: chat SFT", progress)
-        model.eval()
-        val_loss, val_top1 = evaluate(model, *_windows(val_stream, spec.eval_tokens, spec.sft_seq_len))
-        chat_loss, chat_top1 = evaluate(model, *_chat_rows(tokenizer, chat_val, spec.sft_seq_len, spec.eval_tokens // 2))
-        prompt, completion = _sample(model, tokenizer, chat_val)
-        info = BuildInfo(
-            name=name, params=sum(p.numel() for p in model.parameters()),
-            pretrain_steps=spec.pretrain_steps, sft_steps=spec.sft_steps,
-            tokens_seen=spec.pretrain_steps * spec.pretrain_batch * spec.pretrain_seq_len
-            + spec.sft_steps * spec.sft_batch * spec.sft_seq_len,
-            seconds=round(time.perf_counter() - start, 1), cpu_seconds=round(time.process_time() - cpu_start, 1),
-            val_loss=round(val_loss, 4), val_top1=round(val_top1, 4), chat_val_loss=round(chat_loss, 4),
-            chat_val_top1=round(chat_top1, 4), sample_prompt=prompt, sample_completion=completion, spec=asdict(spec),
-        )
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        val_stream = torch.load(tokenizer_dir / "corpus-validation.pt", weights_only=True)
+        quality = _measure(model.eval(), tokenizer, val_stream, chat_val, spec)
     finally:
         torch.set_num_threads(threads_before)
+    tokens = spec.pretrain_steps * spec.pretrain_batch * spec.pretrain_seq_len + sft_tokens
+    info = BuildInfo(
+        name=name, params=sum(p.numel() for p in model.parameters()), pretrain_steps=spec.pretrain_steps,
+        sft_steps=spec.sft_steps, tokens_seen=tokens, seconds=round(seconds, 1), cpu_seconds=round(cpu_seconds, 1),
+        tokens_per_second=round(tokens / seconds), **quality, spec=asdict(spec),
+    )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "build_info.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info
+
+
+def _measure(model, tokenizer, val_stream: torch.Tensor, chat_val: list, spec: TinySpec) -> dict:
+    """Validation metrics of a trained model (the quality fields of BuildInfo)."""
+    val_ids, val_labels = _windows(val_stream, spec.eval_tokens, spec.sft_seq_len)
+    val_loss, val_top1 = evaluate(model, val_ids, val_labels)
+    val_bytes = sum(len(tokenizer.decode(row, skip_special_tokens=True).encode("utf-8")) for row in val_ids.tolist())
+    # Loss covers T-1 predictions per window; bytes/token over whole windows is the same ratio up to 1/T.
+    bits_per_byte = val_loss / math.log(2) * val_ids.numel() / val_bytes
+    chat_loss, chat_top1 = evaluate(model, *_chat_rows(tokenizer, chat_val, spec.sft_seq_len, spec.eval_tokens // 2))
+    prompt, completion = _sample(model, tokenizer, chat_val)
+    return dict(
+        val_loss=round(val_loss, 4), val_top1=round(val_top1, 4), val_bits_per_byte=round(bits_per_byte, 4),
+        chat_val_loss=round(chat_loss, 4), chat_val_top1=round(chat_top1, 4),
+        sample_prompt=prompt, sample_completion=completion,
+    )
 
 
 def load_build_info(path: Path) -> BuildInfo:
@@ -247,7 +278,9 @@ def load_build_info(path: Path) -> BuildInfo:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 8) -> tuple[float, float]:
+def evaluate(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 8
+) -> tuple[float, float]:
     """(mean next-token loss, top-1 accuracy) over the tokens whose shifted label is not -100."""
     total_loss, correct, count = 0.0, 0, 0
     for i in range(0, len(input_ids), batch_size):
@@ -314,6 +347,15 @@ def _window_batches(stream: torch.Tensor, batch_size: int, seq_len: int, generat
         starts = torch.randint(0, len(stream) - seq_len, (batch_size, 1), generator=generator)
         ids = stream[starts + offsets].long()  # [B, T]
         yield ids, ids
+
+
+def _pretrain_batches(stream: torch.Tensor, spec: TinySpec, generator: torch.Generator) -> Iterator:
+    """Short windows for the first (1 - long_fraction) of pretraining, then long ones at equal tokens per step."""
+    short_steps = round(spec.pretrain_steps * (1 - spec.long_fraction))
+    long_batch = max(spec.pretrain_batch * spec.pretrain_seq_len // spec.long_seq_len, 1)
+    short = _window_batches(stream, spec.pretrain_batch, spec.pretrain_seq_len, generator)
+    long = _window_batches(stream, long_batch, spec.long_seq_len, generator)
+    return itertools.chain(itertools.islice(short, short_steps), long)
 
 
 def _row_batches(rows: tuple[torch.Tensor, torch.Tensor], batch_size: int, generator: torch.Generator) -> Iterator:

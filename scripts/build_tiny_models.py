@@ -15,7 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.tiny import BUILTIN_MODELS, TOKENIZER_DIR, cache_root, ensure_built, ensure_tokenizer, load_build_info  # noqa: E402
+from models.tiny import (  # noqa: E402
+    BUILTIN_MODELS, TOKENIZER_DIR, cache_root, ensure_built, ensure_tokenizer, load_build_info,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         info = load_build_info(path)
         print(f"{name}: {path}")
         print(f"  params {info.params:,}  steps {info.pretrain_steps}+{info.sft_steps}  tokens {info.tokens_seen:,}"
-              f"  build {info.seconds:.0f}s wall ({info.tokens_seen / max(info.seconds, 1e-9):.0f} tok/s)")
-        print(f"  corpus val loss {info.val_loss:.3f}  top-1 {info.val_top1:.3f}"
+              f"  train {info.seconds:.0f}s wall, {info.tokens_per_second} tok/s")
+        print(f"  corpus val loss {info.val_loss:.3f}  top-1 {info.val_top1:.3f}  bits/byte {info.val_bits_per_byte:.3f}"
               f"   chat val loss {info.chat_val_loss:.3f}  top-1 {info.chat_val_top1:.3f}")
         print(f"  prompt: {info.sample_prompt}")
         print("  greedy: " + info.sample_completion.replace("\n", "\n          "))

@@ -106,7 +106,8 @@ SOURCE = textwrap.dedent('''
 def test_function_conversations_pair_prompt_with_real_source():
     conversations = file_conversations(SOURCE, "pkg.mod")
     write, explain = conversations[0], conversations[1]
-    assert write[0] == {"role": "user", "content": "Write `documented(a, b=1, *args, key=None, **kw)` from `pkg.mod`: Add things."}
+    prompt = "Write `documented(a, b=1, *args, key=None, **kw)` from `pkg.mod`: Add things."
+    assert write[0] == {"role": "user", "content": prompt}
     assert write[1]["content"].startswith("def documented(a, b=1") and write[1]["content"].endswith("return a + b")
     assert explain == [
         {"role": "user", "content": "What does `pkg.mod.documented` do?"},
@@ -125,7 +126,8 @@ def test_class_methods_become_multi_turn_conversations_in_source_order():
     first, second = conversations[3], conversations[4]
     assert len(first) == 6 and len(second) == 2  # 4 documented methods -> chunks of 3 and 1
     assert first[0]["content"] == "Write the method `Box.get(self)` of `pkg.mod.Box`: Return the held value."
-    assert first[1]["content"] == '@functools.cache\ndef get(self):\n    """Return the held value."""\n    return self.value'
+    method = '@functools.cache\ndef get(self):\n    """Return the held value."""\n    return self.value'
+    assert first[1]["content"] == method
     assert first[2]["content"] == "Now write `put(self, value)`: Store a value in the box."
     assert first[4]["content"].startswith("Now write `empty(self)`")
     assert second[0]["content"].startswith("Write the method `Box.size(self)`")

@@ -12,7 +12,7 @@ from models.tiny import COMPLETE_MARKER, TinySpec, TokenizerSpec
 
 MINI = TinySpec(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-    pretrain_steps=3, pretrain_batch=2, pretrain_seq_len=32, lr=1e-3,
+    pretrain_steps=4, pretrain_batch=4, pretrain_seq_len=16, lr=1e-3, long_seq_len=32, long_fraction=0.5,
     sft_steps=2, sft_batch=2, sft_seq_len=64, sft_lr=1e-3, warmup_steps=1, eval_tokens=256, threads=1,
 )
 MINI_TOKENIZER = TokenizerSpec(vocab_size=384, max_corpus_chars=150_000)
@@ -46,7 +46,7 @@ def test_build_loads_through_from_pretrained_and_generates(built):
 def test_build_info_and_completion_marker(built):
     info = tiny.load_build_info(built)
     assert (built / COMPLETE_MARKER).is_file()
-    assert info.name == "tiny" and info.pretrain_steps == 3 and info.sft_steps == 2
+    assert info.name == "tiny" and info.pretrain_steps == 4 and info.sft_steps == 2
     assert info.params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(built).parameters())
     assert 0 < info.val_loss < 10 and 0 <= info.val_top1 <= 1 and 0 <= info.chat_val_top1 <= 1
     assert info.sample_prompt.startswith("Write") and isinstance(info.sample_completion, str)
@@ -99,3 +99,19 @@ def test_failed_build_leaves_no_partial_directory(tmp_path):
 def test_unknown_name_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown built-in model 'huge'; choose one of tiny, tiny-draft"):
         tiny.ensure_built("huge", progress=False, cache_dir=tmp_path)
+
+
+def test_a_build_of_an_older_recipe_is_rebuilt(built, monkeypatch, tmp_path):
+    # Copy the mini build, stamp it with an older format version: ensure_built must rebuild it, not reuse it.
+    import shutil
+
+    models_dir = tmp_path / "models"
+    shutil.copytree(built.parent, models_dir)
+    marker = models_dir / "tiny" / COMPLETE_MARKER
+    assert tiny.is_complete(models_dir / "tiny", tiny.FORMAT_VERSION)
+    marker.write_text(json.dumps({"format_version": tiny.FORMAT_VERSION - 1}) + "\n")
+    assert tiny.is_complete(models_dir / "tiny") and not tiny.is_complete(models_dir / "tiny", tiny.FORMAT_VERSION)
+    rebuilt = []
+    monkeypatch.setattr(tiny, "build", lambda name, out_dir, tokenizer_dir, progress: rebuilt.append(name))
+    assert tiny.ensure_built("tiny", progress=False, cache_dir=tmp_path) == models_dir / "tiny"
+    assert rebuilt == ["tiny"] and tiny.is_complete(models_dir / "tiny", tiny.FORMAT_VERSION)
