@@ -61,7 +61,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                                   "(default: the checkpoint's base_model_name_or_path)")
     p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's, else the base model's)")
     p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: the conf/model's, else bf16")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
+                   help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
+                        "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
     p.add_argument("--quantization", choices=("none", "nf4"), default="none")
     p.add_argument("--device", help="default: cuda when available, else cpu")
     p.add_argument("--device-map", help="split a target too big for one GPU across devices (accelerate): auto | "
@@ -97,13 +99,17 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 def model_settings(name: str) -> dict[str, Any]:
     """--base as a conf/model/<name>.yaml (path, dtype, chat_template), else as a path / hub id / builtin:<name>."""
-    conf = resources.files("conf").joinpath("model", f"{name}.yaml")
-    if "/" in name or not conf.is_file():
+    builtin = name.startswith("builtin:")  # builtin:tiny reads conf/model/tiny.yaml when its path says builtin:tiny
+    conf = resources.files("conf").joinpath("model", f"{name.removeprefix('builtin:')}.yaml")
+    if (not builtin and "/" in name) or not conf.is_file():
         return {"path": name, "dtype": None, "chat_template": None}
     from omegaconf import OmegaConf
 
     c = OmegaConf.load(str(conf))
-    return {"path": str(c.path), "dtype": c.get("dtype"), "chat_template": c.get("chat_template")}
+    model = c.model if "model" in c else c  # tiny.yaml is a global package: its model keys sit under `model`
+    if builtin and str(model.path) != name:
+        return {"path": name, "dtype": None, "chat_template": None}
+    return {"path": str(model.path), "dtype": model.get("dtype"), "chat_template": model.get("chat_template")}
 
 
 def named_drafters() -> list[str]:
@@ -124,6 +130,13 @@ def drafter_spec(name: str, pairs: Sequence[str]) -> str:
         raise UsageError(f"--drafter-option applies to registered drafters ({', '.join(named_drafters()[1:])}); "
                          f"--drafter {name} carries its own settings")
     return name + ("," if ":" in name else ":") + ",".join(pairs)
+
+
+def _trained_dtype(config: dict[str, Any] | None) -> str | None:
+    """The dtype the drafter was trained with (its backbone's): the default to serve it in."""
+    trained = ((config or {}).get("training") or {}).get("config") or {}
+    value = (trained.get("model") or {}).get("dtype")
+    return str(value) if value else None
 
 
 def _trained_chat_template(config: dict[str, Any] | None) -> str | None:
@@ -166,7 +179,8 @@ def open_session(args: argparse.Namespace) -> Session:
         raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
     settings = model_settings(base_arg)
     engine = load(
-        None if name == "none" else spec, base=settings["path"], dtype=args.dtype or settings["dtype"] or "bf16",
+        None if name == "none" else spec, base=settings["path"],
+        dtype=args.dtype or _trained_dtype(config) or settings["dtype"] or "bf16",
         device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), tree=args.tree,
         quantization=None if args.quantization == "none" else args.quantization,
         device_map=args.device_map, offload_folder=args.offload_folder,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 BUILTIN_PREFIX = "builtin:"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 QUANTIZATIONS = (None, "none", "nf4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one will do
 # device_map strategies from_pretrained computes itself (accelerate's infer_auto_device_map over the visible devices)

@@ -33,7 +33,7 @@ def seconds_per_step(args, nproc: int, deepspeed: str, out: Path) -> float:
     launcher = [sys.executable, "-m", "train"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
         "-m", "train"]
-    cmd = [*launcher, "medusa1", "+model=tiny", f"model.path={args.model}", f"model.dtype={args.dtype}",
+    cmd = [*launcher, "medusa1", "+model=tiny", f"model.path={args.model}", f"model.dtype={args.dtype}", "data.self_distill=false",
            f"training.max_steps={args.steps}", f"training.per_device_train_batch_size={args.global_batch // nproc}",
            f"training.save_steps={args.steps * 10}", f"training.bf16={str(args.bf16).lower()}", "eval.greedy_prompts=0",
            "data.validation_fraction=0", "logger=none", f"deepspeed={deepspeed}", f"output_dir={out}", *args.overrides]

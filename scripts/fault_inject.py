@@ -69,7 +69,7 @@ def prepare(work: Path, seed: int) -> tuple[Path, Path]:
 
 def command(model: Path, data: Path, out: Path, args: argparse.Namespace, resume: bool) -> list[str]:
     return [
-        sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32",
+        sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data.self_distill=false",
         "data=sharegpt", f"data.path={data}", "data.max_length=64", "data.validation_fraction=0",
         f"training.max_steps={args.steps}", f"training.save_steps={args.save_steps}", "training.save_total_limit=2",
         "training.per_device_train_batch_size=4", "training.logging_steps=1", "method.num_heads=3",

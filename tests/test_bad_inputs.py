@@ -383,7 +383,7 @@ def test_disk_full_during_a_training_run(tmp_path, monkeypatch, capsys):
     register_configs()
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
-            "method=medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt",
+            "method=medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
             f"data.path={CASES_DIR / 'one_too_long.jsonl'}", "data.validation_fraction=0", "data.max_length=32",
             "training.max_steps=2", "training.save_steps=1", "training.per_device_train_batch_size=1",
             "method.num_heads=1", "eval.greedy_prompts=0", "logger=none", f"output_dir={out}",

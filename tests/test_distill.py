@@ -104,7 +104,7 @@ def sharegpt_file(tmp_path_factory) -> Path:
 
 def run_distill(target: Path, draft: Path, data: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "train", "distill", "+model=tiny", f"model.path={target}", "model.dtype=fp32",
+        sys.executable, "-m", "train", "distill", "+model=tiny", f"model.path={target}", "model.dtype=fp32", "data.self_distill=false",
         f"method.draft={draft}", "data=sharegpt", f"data.path={data}", "data.max_length=48",
         "data.validation_fraction=0.25", "training.max_steps=3", "training.per_device_train_batch_size=2",
         "training.logging_steps=1", "training.learning_rate=5e-3", "eval.greedy_prompts=0", "logger=none",

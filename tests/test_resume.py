@@ -41,7 +41,7 @@ def config(model: Path, data: Path, out: Path, *overrides: str):
     register_configs()
     with initialize_config_module(config_module="conf", version_base="1.3"):
         return compose(config_name="train", overrides=[
-            "method=medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt",
+            "method=medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
             f"data.path={data}", "data.max_length=48", "data.validation_fraction=0", "training.max_steps=7",
             "training.save_steps=2", "training.save_total_limit=null", "training.per_device_train_batch_size=4",
             "training.logging_steps=1", "method.num_heads=2", "eval.greedy_prompts=0", "logger=none",

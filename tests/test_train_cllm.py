@@ -65,7 +65,7 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     assert collect(setup, trajectories) == 0
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "train", "cllm", "+model=tiny", f"model.path={setup['model']}", "model.dtype=fp32",
+        sys.executable, "-m", "train", "cllm", "+model=tiny", f"model.path={setup['model']}", "model.dtype=fp32", "data.self_distill=false",
         f"method.trajectories={trajectories}", "method.lora_r=4", "method.consistency=local",
         "method.divergence=soft_ce", "data=sharegpt", f"data.path={setup['chats']}", "data.validation_fraction=0.25",
         "training.max_steps=2", "training.per_device_train_batch_size=4", "training.logging_steps=1",

@@ -56,7 +56,7 @@ def data_file(tmp_path_factory) -> Path:
 def train(launcher: list[str], model_dir: Path, data: Path, out: Path, batch: int, *overrides: str) -> str:
     """Run to completion; returns stdout + stderr."""
     cmd = [
-        *launcher, "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32", "data=sharegpt",
+        *launcher, "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
         f"data.path={data}", "data.max_length=64", "data.validation_fraction=0.25", f"training.max_steps={STEPS}",
         "training.logging_steps=1", "training.save_steps=2", "training.warmup_steps=0", "training.learning_rate=0.01",
         f"training.per_device_train_batch_size={batch}", "method.num_heads=2", "eval.greedy_prompts=2",

@@ -35,7 +35,7 @@ def sharegpt_file(tmp_path_factory) -> Path:
 def train(model_dir: Path, data: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
-        "data=sharegpt", f"data.path={data}", "data.max_length=64", "data.validation_fraction=0.25",
+        "data.self_distill=false", "data=sharegpt", f"data.path={data}", "data.max_length=64", "data.validation_fraction=0.25",
         "training.max_steps=3", "training.per_device_train_batch_size=2", "training.logging_steps=1",
         "method.num_heads=2", "eval.greedy_prompts=2", "eval.greedy_new_tokens=6", "logger=none", f"output_dir={out}",
         *overrides,
@@ -111,3 +111,33 @@ def test_nonfinite_loss_stops_naming_the_step(tiny_model_dir, sharegpt_file, tmp
                    "training.max_grad_norm=0", "training.on_nonfinite=skip")
     assert_one_line_error(result, "refusing to save non-finite weights")
     assert "batch skipped" in result.stdout + result.stderr
+
+
+def test_self_distillation_trains_on_the_targets_own_greedy_answers(tiny_model_dir, sharegpt_file, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "self_distill"
+    overrides = ("data.self_distill=true", "data.self_distill_samples=5", "data.self_distill_new_tokens=6",
+                 "data.self_distill_batch_size=2")
+    result = train(tiny_model_dir, sharegpt_file, out, *overrides)
+    assert_ok(result)
+    rows = [json.loads(line) for line in (out / "self_distill.jsonl").read_text().splitlines()]
+    assert 1 <= len(rows) <= 5  # an answer that decodes to nothing is not written
+    # Each answer is the target's own greedy continuation of the first user turn (not the data's answer).
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    originals = {str(i): r for i, r in enumerate(json.loads(sharegpt_file.read_text()))}
+    for row in rows:
+        user, answer = row["conversations"][0]["value"], row["conversations"][1]["value"]
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)["input_ids"]
+        greedy = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
+        expected = tokenizer.decode(greedy[0, prompt.shape[1]:], skip_special_tokens=True)
+        assert answer == expected.strip()
+        assert any(o["conversations"][0]["value"] == user for o in originals.values())
+    assert load_drafter(out).config["training"]["global_step"] == 3
+    # A second run reuses the cached answers instead of generating them again.
+    again = train(tiny_model_dir, sharegpt_file, out, *overrides, "training.max_steps=4",
+                  "training.resume_from_checkpoint=auto")
+    assert_ok(again)
+    assert f"0 answers generated, {len(rows)} reused" in again.stdout + again.stderr

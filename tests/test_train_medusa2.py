@@ -159,7 +159,7 @@ def test_backbone_subfolder_is_replaced_whole(tmp_path):
 
 def train(model_dir: Path, data: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "train", "medusa2", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
+        sys.executable, "-m", "train", "medusa2", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32", "data.self_distill=false",
         "data=sharegpt", f"data.path={data}", "data.max_length=64", "data.validation_fraction=0.25",
         "training.max_steps=3", "training.per_device_train_batch_size=2", "training.logging_steps=1",
         "method.num_heads=2", "method.lora_r=4", "eval.greedy_prompts=2", "eval.greedy_new_tokens=6", "logger=none",

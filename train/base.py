@@ -319,10 +319,42 @@ def prompt_ids(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
+SELF_DISTILL_FILE = "self_distill.jsonl"
+
+
+def self_distilled_train(cfg: DictConfig, target: nn.Module, tokenizer, args: TrainingArguments, path: Path):
+    """The train split with its first assistant turns regenerated greedily by `target` (data.self_distill).
+
+    Generation goes through the engine in batches and appends to `path` (ShareGPT JSONL), skipping conversations
+    already there, so an interrupted run resumes it; the main process generates first, the others then find it done.
+    """
+    import random
+
+    from data.datasets import build_datasets, load_conversations
+    from inference.api import Engine
+    from inference.drafters import NoDrafter
+    from inference.self_distill import DistillConfig, self_distill
+
+    d = cfg.data
+    conversations = list(enumerate(load_conversations(d, "train"), start=1))
+    random.Random(d.seed).shuffle(conversations)
+    conversations = [(f"train:{i}", c) for i, c in conversations[: d.self_distill_samples]]
+    config = DistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size, max_turns=1,
+                           chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed)
+    with args.main_process_first(desc="self-distillation"):
+        was_training = target.training
+        stats = self_distill(Engine(target.eval(), NoDrafter()), tokenizer, conversations, path, config)
+        target.train(was_training)
+    log.info("self-distillation: %d answers generated, %d reused from %s", stats.written, stats.already_done, path)
+    distilled = OmegaConf.merge(d, {"format": "sharegpt", "path": str(path), "validation_path": None,
+                                    "validation_fraction": 0.0, "system_prompt": None, "self_distill": False})
+    return build_datasets(distilled, tokenizer).train
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Hydra task: set up, train, evaluate, save. Returns the final metrics."""
     from data.collate import ChatCollator
-    from data.datasets import build_datasets
+    from data.datasets import SplitDatasets, build_datasets
     from models.loading import load_target, load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -345,6 +377,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     )
     own_data = isinstance(method, ProvidesData)
     datasets = method.datasets(tokenizer) if own_data else build_datasets(cfg.data, tokenizer)
+    if cfg.data.self_distill and not own_data:
+        datasets = SplitDatasets(
+            train=self_distilled_train(cfg, target, tokenizer, args, output_dir / SELF_DISTILL_FILE),
+            validation=datasets.validation,  # ground truth: the validation rows keep meaning "the data's answers"
+        )
     model = method.build(target, tokenizer)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_val = len(datasets.validation) if datasets.validation is not None else 0

@@ -139,7 +139,23 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:
             raise UsageError(f"{key}={value}: must be >= {low}")
+    check_self_distill(cfg)
     check_output_dir(cfg.output_dir)
+
+
+def check_self_distill(cfg: DictConfig) -> None:
+    """data.self_distill generates with the target before training: refuse the setups where that cannot work."""
+    if not OmegaConf.select(cfg, "data.self_distill", default=False):
+        return
+    if OmegaConf.select(cfg, "deepspeed.name") == "zero3":
+        raise UsageError("data.self_distill=true: a ZeRO-3 target is partitioned and cannot generate; "
+                         "write the data first with scripts/self_distill.py and pass it as data.path")
+    if cfg.model.quantization == "nf4" and cfg.method.name != "medusa1":
+        # Generating through a 4-bit model that is trained afterwards silently kills its gradients on CPU.
+        raise UsageError(f"data.self_distill=true with model.quantization=nf4 is only for medusa1 (frozen backbone); "
+                         f"for {cfg.method.name} write the data first with scripts/self_distill.py")
+    if cfg.data.self_distill_samples is not None and cfg.data.self_distill_samples < 1:
+        raise UsageError(f"data.self_distill_samples={cfg.data.self_distill_samples}: must be >= 1 or null")
 
 
 def check_output_dir(output_dir: str) -> None:

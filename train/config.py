@@ -39,6 +39,13 @@ class DataConfig:
     system_prompt: Optional[str] = None
     text_field: str = "text"
     seed: int = 0
+    # Self-distillation (Medusa paper, sec. 3.3): before training, replace the assistant turns of the train split
+    # with the target's own greedy answers (first turn of each conversation), generated through the engine and
+    # cached resumably in <output_dir>/self_distill.jsonl. Heads then learn what the target will actually say.
+    self_distill: bool = False
+    self_distill_samples: Optional[int] = 1200  # conversations to answer (seeded shuffle of the train split); None: all
+    self_distill_new_tokens: int = 128
+    self_distill_batch_size: int = 16
 
 
 @dataclass
