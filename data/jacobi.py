@@ -249,16 +249,6 @@ def data_config(name: str, overrides: Sequence[str]) -> Any:
     return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(str(path)), OmegaConf.from_dotlist(dotlist))
 
 
-def model_path(name: str) -> str:
-    """A conf/model/<name>.yaml's path, else `name` itself (a directory, hub id or builtin:<name>)."""
-    from importlib import resources
-
-    from omegaconf import OmegaConf
-
-    conf = resources.files("conf").joinpath("model", f"{name}.yaml")
-    return str(OmegaConf.load(str(conf)).path) if conf.is_file() else name
-
-
 def main(argv: list[str] | None = None) -> int:
     from inference.jacobi import INITS, JacobiOptions
 
@@ -280,12 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from data.readers import DataError
-    from models.loading import ModelLoadError, load_target, load_tokenizer
+    from models.loading import ModelLoadError, load_target, load_tokenizer, model_settings
 
     try:
         options = JacobiOptions(block_size=args.block_size, init=args.init, seed=args.seed)
         cfg = data_config(args.data, args.overrides)
-        path = model_path(args.model)
+        path = model_settings(args.model)["path"]
         tokenizer = load_tokenizer(path, cfg.chat_template)
         samples = prompt_samples(cfg, tokenizer, args.split, args.max_prompts)
         model = load_target(path, dtype=args.dtype)

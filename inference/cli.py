@@ -97,21 +97,6 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def model_settings(name: str) -> dict[str, Any]:
-    """--base as a conf/model/<name>.yaml (path, dtype, chat_template), else as a path / hub id / builtin:<name>."""
-    builtin = name.startswith("builtin:")  # builtin:tiny reads conf/model/tiny.yaml when its path says builtin:tiny
-    conf = resources.files("conf").joinpath("model", f"{name.removeprefix('builtin:')}.yaml")
-    if (not builtin and "/" in name) or not conf.is_file():
-        return {"path": name, "dtype": None, "chat_template": None}
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.load(str(conf))
-    model = c.model if "model" in c else c  # tiny.yaml is a global package: its model keys sit under `model`
-    if builtin and str(model.path) != name:
-        return {"path": name, "dtype": None, "chat_template": None}
-    return {"path": str(model.path), "dtype": model.get("dtype"), "chat_template": model.get("chat_template")}
-
-
 def named_drafters() -> list[str]:
     from inference.api import NAMED_DRAFTERS
 
@@ -153,7 +138,7 @@ def open_session(args: argparse.Namespace) -> Session:
     from inference.api import load
     from inference.draft_model import is_plain_model
     from models.checkpoint import read_drafter_config
-    from models.loading import TOKENIZER_FILES, load_tokenizer
+    from models.loading import TOKENIZER_FILES, load_tokenizer, model_settings
 
     if args.threads is not None:
         if args.threads < 1:

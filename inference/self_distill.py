@@ -208,19 +208,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_settings(name: str) -> dict[str, Any]:
-    """--model as a conf/model/<name>.yaml (path, dtype, chat_template) or as a path/hub id."""
-    from importlib import resources
-
-    conf = resources.files("conf").joinpath("model", f"{name}.yaml")
-    if not conf.is_file():
-        return {"path": name, "dtype": None, "chat_template": None}
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.load(str(conf))
-    return {"path": c.path, "dtype": c.get("dtype"), "chat_template": c.get("chat_template")}
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -228,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     from data.templates import ChatTemplateError
     from inference.api import load
     from models.checkpoint import CheckpointError
-    from models.loading import ModelLoadError, load_tokenizer
+    from models.loading import ModelLoadError, load_tokenizer, model_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -31,6 +31,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+
+def model_settings(name: str) -> dict[str, Any]:
+    """A conf/model/<name>.yaml's path, dtype and chat_template (`builtin:<name>` reads conf/model/<name>.yaml when
+    that file's path is the same builtin); anything else (a directory, hub id, other builtin) as a path with no
+    settings. The one place command-line tools turn `--model vicuna7b` / `--base tiny` into a model."""
+    from importlib import resources
+
+    from omegaconf import OmegaConf
+
+    builtin = name.startswith(BUILTIN_PREFIX)
+    conf = resources.files("conf").joinpath("model", f"{name.removeprefix(BUILTIN_PREFIX)}.yaml")
+    if (not builtin and "/" in name) or not conf.is_file():
+        return {"path": name, "dtype": None, "chat_template": None}
+    c = OmegaConf.load(str(conf))
+    model = c.model if "model" in c else c  # tiny.yaml is a global package: its model keys sit under `model`
+    if builtin and str(model.path) != name:
+        return {"path": name, "dtype": None, "chat_template": None}
+    return {"path": str(model.path), "dtype": model.get("dtype"), "chat_template": model.get("chat_template")}
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map "builtin:<name>" to the directory of the built model (building it on first use)."""
     if name_or_path.startswith(BUILTIN_PREFIX):

@@ -263,3 +263,16 @@ def test_cost_curve_and_tree_plan():
     assert flat.predicted_speedup == pytest.approx(flat.expected_tokens)  # step cost = plain step
     costly_heads = plan_tree(accuracy, CostCurve((1, 64), (1.0, 1.0)), (0.05, 10.0), max_nodes=8)
     assert costly_heads.depth == 1 and math.isclose(costly_heads.step_seconds, 1.05)
+
+
+def test_model_settings_read_conf_model_files_global_or_not():
+    from models.loading import model_settings
+
+    # tiny.yaml is a global package (model keys under `model`); tiny-draft.yaml and vicuna7b.yaml are plain.
+    assert model_settings("tiny") == {"path": "builtin:tiny", "dtype": "fp32", "chat_template": None}
+    assert model_settings("builtin:tiny") == model_settings("tiny")
+    assert model_settings("builtin:tiny-draft")["path"] == "builtin:tiny-draft"
+    vicuna = model_settings("vicuna7b")
+    assert vicuna["path"] == "lmsys/vicuna-7b-v1.3" and vicuna["chat_template"] == "vicuna_v1.1"
+    assert model_settings("/models/x") == {"path": "/models/x", "dtype": None, "chat_template": None}
+    assert model_settings("org/model")["dtype"] is None
