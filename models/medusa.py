@@ -80,7 +80,7 @@ class MedusaHeads(nn.Module):
         if self.config.share_lm_head:
             if base_lm_head is None:
                 raise ValueError("these heads share the base lm_head (share_lm_head=True); pass base_lm_head")
-            return base_lm_head(head_hidden)
+            return base_lm_head(_as_input_of(base_lm_head, head_hidden))
         return torch.stack([head.lm_head(h) for head, h in zip(self.heads, head_hidden)])
 
     def forward(self, hidden: torch.Tensor, base_lm_head: nn.Module | None = None) -> torch.Tensor:
@@ -95,8 +95,17 @@ class MedusaHeads(nn.Module):
         if head.lm_head is None:
             if base_lm_head is None:
                 raise ValueError("these heads share the base lm_head (share_lm_head=True); pass base_lm_head")
-            return base_lm_head(h)
+            return base_lm_head(_as_input_of(base_lm_head, h))
         return head.lm_head(h)
+
+
+def _as_input_of(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype of `module`'s floating-point weight: fp32 heads trained on a bf16 backbone feed its shared
+    lm_head in bf16 (the cast is differentiable). Quantized or offloaded (meta) weights take the input as it is."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not weight.is_floating_point() or weight.device.type == "meta" or weight.dtype == x.dtype:
+        return x
+    return x.to(weight.dtype)
 
 
 def head_targets(labels: torch.Tensor, k: int) -> torch.Tensor:

@@ -79,3 +79,18 @@ def test_weighted_loss_equals_naive_per_head_loop(decay):
     for g, n in zip(grads, naive_grads):
         torch.testing.assert_close(g, n)
     assert set(out.metrics) >= {"head1_top1", "head1_top5", "head3_loss"}
+
+
+def test_fp32_heads_sharing_a_bf16_lm_head_train():
+    # Medusa-1 keeps heads in fp32 over a bf16 backbone; shared-lm_head heads must feed that lm_head in bf16.
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=16, vocab_size=40, share_lm_head=True))
+    for p in heads.parameters():
+        nn.init.normal_(p, std=0.1)
+    lm_head = nn.Linear(16, 40, bias=False).to(torch.bfloat16).requires_grad_(False)
+    hidden = torch.randn(2, 5, 16)
+    logits = heads.head_logits(0, hidden, lm_head)  # [B, T, V]
+    assert logits.dtype == torch.bfloat16 and logits.shape == (2, 5, 40)
+    assert heads(hidden, lm_head).shape == (2, 2, 5, 40)
+    medusa_loss(heads, hidden, torch.randint(0, 40, (2, 5)), 0.8, lm_head).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.parameters())
