@@ -202,7 +202,7 @@ CASES = [
     Case("no-model", lambda ws: parse(["medusa1"]), UsageError, r"no model chosen: add \+model=<name>; available: .*"),
     Case("wrong-type", cli("training.max_steps=ten"), UsageError,
          r"Error merging override training.max_steps=ten: Value 'ten' of type 'str' could not be converted to Integer"),
-    Case("unknown-dtype", cli("model.dtype=fp8"), UsageError, r"model.dtype=fp8: choose one of bf16, fp16, fp32"),
+    Case("unknown-dtype", cli("model.dtype=fp8"), UsageError, r"model.dtype=fp8: choose one of bf16, fp16, fp32, fp64"),
     Case("unknown-quantization", cli("model.quantization=int8"), UsageError,
          r"model.quantization=int8: choose one of null, none, nf4"),
     Case("unknown-on-nonfinite", cli("training.on_nonfinite=ignore"), UsageError,

@@ -211,6 +211,17 @@ def run_task(cfg) -> None:
             raise
         print(f"\nerror: {e.filename or cfg.output_dir}: {e.strerror}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    finally:
+        shutdown_distributed()
+
+
+def shutdown_distributed() -> None:
+    """Tear the process group down before the interpreter exits: left to exit-time destructors, a gloo/DeepSpeed
+    worker thread can still be joinable and abort the process (SIGABRT) after the run has finished and saved."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
