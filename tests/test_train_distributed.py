@@ -53,10 +53,11 @@ def data_file(tmp_path_factory) -> Path:
     return path
 
 
-def train(launcher: list[str], model_dir: Path, data: Path, out: Path, batch: int, *overrides: str) -> str:
+def train(launcher: list[str], model_dir: Path, data: Path, out: Path, batch: int, *overrides: str,
+          method: str = "medusa1") -> str:
     """Run to completion; returns stdout + stderr."""
     cmd = [
-        *launcher, "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
+        *launcher, method, "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
         f"data.path={data}", "data.max_length=64", "data.validation_fraction=0.25", f"training.max_steps={STEPS}",
         "training.logging_steps=1", "training.save_steps=2", "training.warmup_steps=0", "training.learning_rate=0.01",
         f"training.per_device_train_batch_size={batch}", "method.num_heads=2", "eval.greedy_prompts=2",
@@ -154,6 +155,26 @@ def test_zero3_resume_continues_exactly(model_dir, data_file, zero3_run, tmp_pat
     for step in resumed:
         assert resumed[step] == pytest.approx(full[step], rel=LOSS_RTOL), (step, resumed, full)
     assert_same_heads(heads(out), heads(zero3_run), atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_medusa2_lora_steps_under_zero3_serve_in_the_engine(model_dir, data_file, tmp_path):
+    # Joint training with the backbone's LoRA adapters and the heads partitioned across 2 processes.
+    from inference.api import load
+    from inference.drafters import NoDrafter
+    from inference.generate import DecodeConfig, generate
+
+    out = tmp_path / "medusa2_zero3"
+    log = train(torchrun(), model_dir, data_file, out, 2, "deepspeed=zero3", "training.learning_rate=1e-3",
+                method="medusa2")
+    assert "greedy agreement with original" in log
+    assert sorted(losses(out)) == list(range(1, STEPS + 1))
+    assert load_drafter(out).config["training"]["global_step"] == STEPS
+    engine = load(str(out), dtype="fp32")
+    prompt = torch.tensor([[1, 5, 9, 14]])
+    medusa = generate(engine.model, prompt, engine.drafter, DecodeConfig(max_new_tokens=8)).sequences[0]
+    plain = generate(engine.model, prompt, NoDrafter(), DecodeConfig(max_new_tokens=8)).sequences[0]
+    assert medusa == plain and len(medusa) == 8
 
 
 @pytest.mark.distributed

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import logging
 import os
 import re
 import sys
@@ -212,16 +213,33 @@ def run_task(cfg) -> None:
         print(f"\nerror: {e.filename or cfg.output_dir}: {e.strerror}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
-        shutdown_distributed()
+        distributed = shutdown_distributed()
+    if distributed:
+        exit_without_destructors()
 
 
-def shutdown_distributed() -> None:
-    """Tear the process group down before the interpreter exits: left to exit-time destructors, a gloo/DeepSpeed
-    worker thread can still be joinable and abort the process (SIGABRT) after the run has finished and saved."""
+def shutdown_distributed() -> bool:
+    """Tear the process group down (True if there was one) before the interpreter exits."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        return True
+    return False
+
+
+def exit_without_destructors() -> None:
+    """End a finished multi-process run with exit code 0 without running C++ exit-time destructors: on CPU (gloo +
+    DeepSpeed's shared-memory all-reduce) one rank was seen to abort with "terminate called without an active
+    exception" (SIGABRT) after everything was saved, turning a good run into a failed launch. Python-level state is
+    closed first: the wandb run, logging handlers, stdout and stderr."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
