@@ -166,15 +166,7 @@ class Method:
         return TrajectoryCollator(tokenizer.pad_token_id)
 
     def build(self, target: nn.Module, tokenizer: Any) -> nn.Module:
-        options = BackboneOptions(
-            kind=self.m.backbone,
-            quantized=self.cfg.model.quantization not in (None, "none"),
-            lora_r=self.m.lora_r,
-            lora_alpha=self.m.lora_alpha,
-            lora_dropout=self.m.lora_dropout,
-            lora_target_modules=tuple(self.m.lora_target_modules) if self.m.lora_target_modules else None,
-            gradient_checkpointing=self.m.gradient_checkpointing,
-        )
+        options = BackboneOptions.from_config(self.m, self.cfg.model)
         return prepare_backbone(target, options)
 
     def forward_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:

@@ -157,15 +157,7 @@ class Method(medusa1.Method, TrainerCallback):
         heads = super().build(target, tokenizer).heads  # medusa1: heads initialised from the base lm_head
         if self.m.init_heads:
             heads = self.initial_heads(target)
-        options = BackboneOptions(
-            kind=self.m.backbone,
-            quantized=self.cfg.model.quantization not in (None, "none"),
-            lora_r=self.m.lora_r,
-            lora_alpha=self.m.lora_alpha,
-            lora_dropout=self.m.lora_dropout,
-            lora_target_modules=tuple(self.m.lora_target_modules) if self.m.lora_target_modules else None,
-            gradient_checkpointing=self.m.gradient_checkpointing,
-        )
+        options = BackboneOptions.from_config(self.m, self.cfg.model)
         return Medusa2TrainModule(prepare_backbone(target, options), heads)
 
     def initial_heads(self, target: nn.Module) -> MedusaHeads:

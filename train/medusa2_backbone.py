@@ -31,6 +31,19 @@ class BackboneOptions:
     lora_target_modules: tuple[str, ...] | None = None  # None: every linear layer except lm_head
     gradient_checkpointing: bool = False
 
+    @classmethod
+    def from_config(cls, method: Any, model: Any) -> "BackboneOptions":
+        """From a method config with backbone / lora_* / gradient_checkpointing keys (medusa2, cllm) and cfg.model."""
+        return cls(
+            kind=method.backbone,
+            quantized=model.quantization not in (None, "none"),
+            lora_r=method.lora_r,
+            lora_alpha=method.lora_alpha,
+            lora_dropout=method.lora_dropout,
+            lora_target_modules=tuple(method.lora_target_modules) if method.lora_target_modules else None,
+            gradient_checkpointing=method.gradient_checkpointing,
+        )
+
 
 def prepare_backbone(target: nn.Module, options: BackboneOptions) -> nn.Module:
     """The frozen target made trainable, in training mode: a peft LoRA model (kind "lora"; QLoRA on a 4-bit target,
