@@ -177,16 +177,22 @@ def test_medusa2_lora_steps_under_zero3_serve_in_the_engine(model_dir, data_file
     assert medusa == plain and len(medusa) == 8
 
 
+LAUNCHERS = {"torchrun": torchrun, "deepspeed": deepspeed_launcher}
+
+
 @pytest.mark.distributed
-def test_zero2_deepspeed_launcher_equals_one_process(baseline, model_dir, data_file, tmp_path):
-    out = tmp_path / "zero2"
-    train(deepspeed_launcher(), model_dir, data_file, out, 2, "deepspeed=zero2", "eval.greedy_prompts=0")
+@pytest.mark.parametrize(("stage", "launcher"), [("zero2", "deepspeed"), ("zero2", "torchrun"), ("zero3", "deepspeed")])
+def test_stage_under_launcher_equals_one_process(stage, launcher, baseline, model_dir, data_file, tmp_path):
+    """Every ZeRO stage under both launchers (zero3 x torchrun is the zero3_run fixture, checked above)."""
+    out = tmp_path / f"{stage}_{launcher}"
+    train(LAUNCHERS[launcher](), model_dir, data_file, out, 2, f"deepspeed={stage}", "eval.greedy_prompts=0")
     expected, got = losses(baseline), losses(out)
     assert got.keys() == expected.keys()
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), (step, got, expected)
     assert_same_heads(heads(out), heads(baseline), atol=1e-4)
     assert_drafter_is_consolidated_zero_state(out / "checkpoints" / f"checkpoint-{STEPS}")
+    assert load_drafter(out).config["training"]["global_step"] == STEPS  # the final checkpoint loads
 
 
 @pytest.mark.distributed
