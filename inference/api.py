@@ -147,6 +147,7 @@ def load(
     tp_plan: Any = None,
     device_map: Any = None,
     offload_folder: str | Path | None = None,
+    draft_stop: str | None = None,
 ) -> Engine:
     """Load a base model and (optionally) a drafter checkpoint into an Engine.
 
@@ -159,12 +160,15 @@ def load(
     every process runs the same loop and returns the same tokens. `device_map` ("auto", "balanced", a dict or a JSON
     file, see models.loading.resolve_device_map) splits a target too big for one device across several (accelerate
     dispatch; "disk" entries need `offload_folder`); `device` is then unused: the engine works on the input
-    embeddings' device and Medusa heads sit on the lm_head's."""
+    embeddings' device and Medusa heads sit on the lm_head's. `draft_stop` (draft models only: "fixed",
+    "confidence:<t>", "learned[:<t>]", see inference.draft_stop) sets when drafting stops; by default a checkpoint's
+    learned stopper is used when it has one."""
     config = None
     named = isinstance(drafter_path, str) and drafter_path.partition(":")[0] in NAMED_DRAFTERS
     if named and not Path(drafter_path).exists():
-        if base is None or tree is not None:
-            raise ValueError(f"load: drafter {drafter_path!r} needs base= (the model to decode) and takes no tree=")
+        if base is None or tree is not None or draft_stop is not None:
+            raise ValueError(f"load: drafter {drafter_path!r} needs base= (the model to decode) and takes no tree= "
+                             f"or draft_stop=")
         named_spec, drafter_path = drafter_path, None
     else:
         named_spec = None
@@ -182,8 +186,8 @@ def load(
             raise CheckpointError(f"{drafter_path / CONFIG_NAME}: no base_model_name_or_path; pass base=")
     elif base is None:
         raise ValueError("load: pass drafter_path (a draftsmith checkpoint) or base (a model to decode alone)")
-    elif tree is not None:
-        raise ValueError("load: tree= needs a tree drafter; pass drafter_path")
+    elif tree is not None or draft_stop is not None:
+        raise ValueError("load: tree= and draft_stop= need a drafter; pass drafter_path")
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
@@ -200,5 +204,10 @@ def load(
         return Engine(model, NAMED_DRAFTERS[named_spec.partition(":")[0]](named_spec, model), {"drafter_type": named_spec})
     if config is None:
         return Engine(model, NoDrafter())
-    drafter = DRAFTER_BUILDERS[config["drafter_type"]](drafter_path, model, tree, topk, device)
+    if draft_stop is not None:
+        if config["drafter_type"] != "draft_model":
+            raise ValueError(f"load: draft_stop= applies to draft models, not drafter_type {config['drafter_type']!r}")
+        drafter = build_draft_model_drafter(drafter_path, model, tree, topk, device, draft_stop)
+    else:
+        drafter = DRAFTER_BUILDERS[config["drafter_type"]](drafter_path, model, tree, topk, device)
     return Engine(model, drafter, config)

@@ -61,6 +61,8 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                                   "(default: the checkpoint's base_model_name_or_path)")
     p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's, else the base model's)")
     p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree)")
+    p.add_argument("--draft-stop", help="draft models: when drafting stops each step: fixed | confidence:<t> | "
+                                        "learned[:<t>] (default: the checkpoint's stopper if it has one, else fixed)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
                    help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
                         "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
@@ -168,7 +170,7 @@ def open_session(args: argparse.Namespace) -> Session:
         dtype=args.dtype or _trained_dtype(config) or settings["dtype"] or "bf16",
         device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), tree=args.tree,
         quantization=None if args.quantization == "none" else args.quantization,
-        device_map=args.device_map, offload_folder=args.offload_folder,
+        device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
     )
     tokenizer_path = args.tokenizer
     if tokenizer_path is None:

@@ -23,11 +23,13 @@ from torch import nn
 from transformers import DynamicCache
 
 from inference.cache import additive, keep_nodes, new_cache
+from inference.draft_stop import DraftStop, StopTrace, parse_stop
 from inference.drafters import DecodeState, Draft
 from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.verify import VerifyResult, sample, target_probs
-from models.checkpoint import CONFIG_NAME, DrafterMismatchError, draft_model_folder
+from models.checkpoint import CONFIG_NAME, DrafterMismatchError, draft_model_folder, read_drafter_config
 from models.loading import BUILTIN_PREFIX, DTYPES
+from models.stopper import StopperModel, load_stopper, stop_features
 
 DEFAULT_GAMMA = 4
 MAX_GAMMA = 32
@@ -42,7 +44,8 @@ class DraftCache:
     valid: torch.Tensor  # [B, S] bool
     pending: torch.Tensor  # [B, P] committed tokens the draft model has not read; the last column is state.root
     pending_valid: torch.Tensor  # [B, P] bool: False marks a filler slot (a hole)
-    drafted: int = 0  # draft slots appended by the last propose: (gamma - 1) x branches
+    drafted: int = 0  # draft slots appended by the last propose: (depth - 1) x branches
+    depth: int = 0  # draft depth of the last propose (gamma unless the stop policy ended it earlier)
 
 
 def check_vocab(draft: nn.Module, target: nn.Module) -> None:
@@ -65,6 +68,8 @@ class DraftModelDrafter:
     """Drafts from a draft causal LM: `branches` candidates for the first token (top-k when greedy; else sampled
     from q, without replacement unless `replacement`), each continued by the draft as a chain to depth `gamma`.
     One branch is classic chain speculative decoding. Sampled drafts carry q in `Draft.probs`.
+    `stop` (inference.draft_stop) may end a step's drafting before depth gamma; the step's tree is then the same
+    shape cut at that depth. `trace` (chain only) records every depth's stop features and the accepted count.
 
     Draft cache layout per step: pending tokens, then the tree nodes of depths 1 .. gamma - 1 in node order (slot
     `start + node - 1`); the deepest level is read at the next propose only if the target accepts it.
@@ -72,7 +77,8 @@ class DraftModelDrafter:
 
     needs_hidden = False
 
-    def __init__(self, model: nn.Module, gamma: int = DEFAULT_GAMMA, branches: int = 1, replacement: bool = False) -> None:
+    def __init__(self, model: nn.Module, gamma: int = DEFAULT_GAMMA, branches: int = 1, replacement: bool = False,
+                 stop: DraftStop | None = None, trace: StopTrace | None = None) -> None:
         if not 1 <= gamma <= MAX_GAMMA:
             raise ValueError(f"gamma (draft tokens per step) must be in [1, {MAX_GAMMA}], got {gamma}")
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -82,8 +88,18 @@ class DraftModelDrafter:
         self.gamma = gamma
         self.branches = branches
         self.replacement = replacement
+        if trace is not None and branches != 1:
+            raise ValueError("stop traces are recorded for chain drafting (branches=1) only")
+        self.stop = stop if stop is not None else DraftStop()
+        self.trace = trace
         device = model.get_input_embeddings().weight.device
-        self.tree: TreeBuffers = build_tree(branch_choices(branches, gamma), gamma, branches, device=device)
+        self.trees: list[TreeBuffers] = [build_tree(branch_choices(branches, g), g, branches, device=device)
+                                         for g in range(1, gamma + 1)]  # trees[g - 1]: drafting stopped at depth g
+
+    @property
+    def tree(self) -> TreeBuffers:
+        """The full-depth tree (every step's tree is a prefix of it)."""
+        return self.trees[-1]
 
     def propose(self, state: DecodeState) -> Draft:
         run = state.drafter_state if isinstance(state.drafter_state, DraftCache) else self._start(state)
@@ -93,18 +109,29 @@ class DraftModelDrafter:
         logits = self._forward(run, run.pending, run.pending_valid, (state.next_pos[:, None] - after).clamp(min=0))
         q = target_probs(logits[:, -1], state.sampling)  # [B, V]; one-hot of the argmax when greedy
         levels, qs = [self._first(logits[:, -1], q, state)], [q[:, None]]  # [B, k] tokens, [B, 1, V]
+        watch = self.stop.kind != "fixed" or self.trace is not None
+        feats = [stop_features(logits[:, -1:], 1).expand(-1, k, -1)] if watch else []  # [B, k, F] per depth
+        score = self.stop.survival(feats[0], None) if watch else None
         ones = torch.ones_like(levels[0], dtype=torch.bool)
         for d in range(1, self.gamma):  # read depth d (k tokens at once), draft depth d + 1
+            if not self.stop.keep_drafting(score):
+                break
             nodes = torch.arange((d - 1) * k + 1, d * k + 1, device=ones.device)
-            cols = None if k == 1 else self.tree.attn[nodes][:, 1 : d * k + 1]  # [k, this step's slots + k]
+            cols = None if k == 1 else self.trees[-1].attn[nodes][:, 1 : d * k + 1]  # [k, this step's slots + k]
             logits = self._forward(run, levels[-1], ones, state.next_pos[:, None] + d, cols, keep=k)  # [B, k, V]
             q = target_probs(logits, state.sampling)  # [B, k, V]
             levels.append(logits.argmax(-1) if greedy else sample(q, state.generator))
             qs.append(q)
-        run.drafted = (self.gamma - 1) * k
-        tokens = torch.cat([state.root[:, None], *levels], dim=1)  # [B, 1 + gamma * k], node order
+            if watch:
+                feats.append(stop_features(logits, d + 1))
+                score = self.stop.survival(feats[-1], score)
+        depth = len(levels)
+        run.drafted, run.depth = (depth - 1) * k, depth
+        if self.trace is not None:
+            self.trace.features.append(torch.cat(feats, dim=1).cpu())  # [B, depth, F] (k = 1)
+        tokens = torch.cat([state.root[:, None], *levels], dim=1)  # [B, 1 + depth * k], node order
         probs = None if greedy else torch.cat([*qs, torch.zeros_like(qs[-1][:, :1]).expand(-1, k, -1)], dim=1)
-        return Draft(tree=self.tree, tokens=tokens, probs=probs, replacement=self.replacement)
+        return Draft(tree=self.trees[depth - 1], tokens=tokens, probs=probs, replacement=self.replacement)
 
     def _first(self, logits: torch.Tensor, q: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """[B, V] -> [B, k] first-level candidates: top-k when greedy, else k draws from q (Gumbel top-k without
@@ -121,13 +148,15 @@ class DraftModelDrafter:
         """Keep the accepted path's slots, drop the rest; pending becomes [deepest draft if all accepted, new root]."""
         run: DraftCache = state.drafter_state
         n = result.num_accepted  # [B]
-        kept = n.clamp(max=self.gamma - 1)  # accepted drafts already in the draft cache
+        if self.trace is not None:
+            self.trace.accepted.append(n.cpu())
+        kept = n.clamp(max=run.depth - 1)  # accepted drafts already in the draft cache
         width = int(kept.max()) if kept.numel() else 0
         start = run.valid.shape[1] - run.drafted
         keep_nodes(run.cache, start, (result.path[:, 1 : 1 + width] - 1).clamp(min=0))  # node i sits at slot i - 1
         col = torch.arange(width, device=n.device)
         run.valid = torch.cat([run.valid[:, :start], col[None, :] < kept[:, None]], dim=1)
-        all_in = n == self.gamma
+        all_in = n == run.depth
         leaf = draft.tokens.gather(1, result.node[:, None])[:, 0]
         run.pending = torch.stack([torch.where(all_in, leaf, state.root), state.root], dim=1)  # [B, 2]
         run.pending_valid = torch.stack([all_in, torch.ones_like(all_in)], dim=1)
@@ -209,9 +238,21 @@ def draft_shape(tree: Any) -> tuple[int, int]:
     return buffers.max_depth, branches
 
 
-def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device) -> DraftModelDrafter:
+def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, float | None]:
+    """The stopper a draft_model checkpoint carries (from `python -m train stopper`) and its saved threshold."""
+    if is_plain_model(path):
+        return None, None
+    entry = read_drafter_config(path).get("stopper")
+    if not isinstance(entry, dict):
+        return None, None
+    return load_stopper(Path(path), entry), float(entry.get("threshold", 0.5))
+
+
+def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,
+                              draft_stop: str | None = None) -> DraftModelDrafter:
     """DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
-    (a directory or "builtin:<name>") loaded in the target's dtype on `device`, vocabulary checked."""
+    (a directory or "builtin:<name>") loaded in the target's dtype on `device`, vocabulary checked. `draft_stop`
+    (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has one, else "fixed"."""
     from models.loading import load_target
 
     source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
@@ -220,4 +261,6 @@ def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int
     draft = load_target(source, dtype=name).to(device)
     check_vocab(draft, model)
     gamma, branches = draft_shape(tree)
-    return DraftModelDrafter(draft, gamma, branches)
+    stopper, threshold = checkpoint_stopper(path)
+    stop = parse_stop(draft_stop, None if stopper is None else stopper.to(device), threshold)
+    return DraftModelDrafter(draft, gamma, branches, stop=stop)

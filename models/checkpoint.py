@@ -272,9 +272,12 @@ def save_draft_model(
     base_model_name_or_path: str,
     tokenizer: Any = None,
     extra: dict[str, Any] | None = None,
+    stopper: Any = None,
+    stopper_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a draft causal LM (a `PreTrainedModel`) as a drafter_type "draft_model" checkpoint, atomically: the
-    model and tokenizer in `draft/`, the tokenizer also at the top level. Refuses non-finite weights."""
+    model and tokenizer in `draft/`, the tokenizer also at the top level, and optionally its draft-length decision
+    model (a models.stopper.StopperModel with its `stopper_entry` config). Refuses non-finite weights."""
     output_dir = Path(output_dir)
     bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
@@ -288,9 +291,15 @@ def save_draft_model(
     }
     if extra:
         config["training"] = extra
+    if stopper is not None:
+        config["stopper"] = stopper_config
 
     def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
+        if stopper is not None:
+            from models.stopper import save_stopper
+
+            save_stopper(tmp, stopper)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
             tokenizer.save_pretrained(str(tmp))

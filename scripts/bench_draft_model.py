@@ -1,13 +1,17 @@
-"""Chain speculative decoding with a draft model against plain greedy and Hugging Face assisted generation, measured
-in one run on the same prompts, target and draft (greedy, so every method returns the same tokens).
+"""Draft-model speculative decoding against plain greedy and Hugging Face assisted generation, measured in one run
+on the same prompts, target and draft (greedy, so every method returns the same tokens).
 
-Prints tokens/s of: engine greedy (the baseline: the same loop, no drafter), engine chain SpS (gamma drafts per
-step), HF `generate` greedy, HF `generate(assistant_model=draft)`; ratios are against the engine's greedy and against
-HF assisted generation. Also the held-out acceptance estimate is what `python -m train distill` logs; here the mean
-accepted drafts per step is printed.
+Prints tokens/s of: engine greedy (the baseline: the same loop, no drafter), each engine drafting configuration
+(`--configs`: chain or multi-candidate tree, with a stop policy), HF `generate` greedy and HF
+`generate(assistant_model=draft)` (its default dynamic draft length); ratios are against the engine's greedy and
+against HF assisted generation, plus mean draft tokens and accepted drafts per step. Methods alternate prompt by
+prompt, after one warm-up pass of each.
 
-    python scripts/bench_draft_model.py --target builtin:tiny --draft builtin:tiny-draft [--gamma 4] [--new 64]
-    python scripts/bench_draft_model.py --target builtin:tiny --draft outputs/distill/tiny   # a distilled checkpoint
+    python scripts/bench_draft_model.py --target builtin:tiny --draft builtin:tiny-draft [--new 64]
+    python scripts/bench_draft_model.py --draft outputs/stopper/tiny --configs chain:4 chain:8@learned branches:2x8@learned
+A config is TREE[@STOP]: TREE as `inference.load(tree=)` (chain:<n>, branches:<k>x<n>), STOP as `draft_stop=`
+(fixed, confidence:<t>, learned[:<t>]; learned needs a checkpoint from `python -m train stopper`).
+Prompts: MT-bench first turns from ../shared/data/mt_bench/question.jsonl when present, else built-in questions.
 Built-in models are used only when already built (models.tiny.is_complete): this script never builds them.
 """
 
@@ -22,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.draft_model import DraftModelDrafter, check_vocab, is_plain_model  # noqa: E402
+from inference.draft_model import DraftModelDrafter, check_vocab, checkpoint_stopper, draft_shape, is_plain_model  # noqa: E402
+from inference.draft_stop import parse_stop  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from inference.api import Engine  # noqa: E402
 from models.checkpoint import draft_model_folder  # noqa: E402
@@ -45,11 +50,24 @@ def require_built(name: str) -> None:
             raise SystemExit(f"{name} is not built (python scripts/build_tiny_models.py); nothing measured")
 
 
+MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+
+def questions(count: int) -> list[str]:
+    import json
+
+    if MT_BENCH.is_file():
+        found = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    else:
+        found = list(QUESTIONS)
+    return (found * count)[:count]
+
+
 def prompts(tokenizer, count: int) -> list[list[int]]:
     from data.chat import encode_prompt
 
     out = []
-    for q in (QUESTIONS * count)[:count]:
+    for q in questions(count):
         try:
             out.append(encode_prompt(tokenizer, [{"role": "user", "content": q}]))
         except ValueError:  # no chat template: the plain question
@@ -63,11 +81,18 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def drafter(draft, spec: str, stopper, threshold) -> DraftModelDrafter:
+    tree, _, stop = spec.partition("@")
+    gamma, branches = draft_shape(tree)
+    return DraftModelDrafter(draft, gamma, branches, stop=parse_stop(stop or "fixed", stopper, threshold))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="builtin:tiny")
-    parser.add_argument("--draft", default="builtin:tiny-draft", help="causal LM dir, builtin:<name>, or distill checkpoint")
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--draft", default="builtin:tiny-draft",
+                        help="causal LM dir, builtin:<name>, or a distill / stopper checkpoint")
+    parser.add_argument("--configs", nargs="+", default=["chain:4"], help="TREE[@STOP] per engine configuration")
     parser.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--dtype", default="bf16")
@@ -80,28 +105,38 @@ def main() -> None:
     tokenizer = load_tokenizer(args.target)
     target, draft = load_target(args.target, dtype=args.dtype), load_target(draft_path, dtype=args.dtype)
     check_vocab(draft, target)
-    greedy, sps = Engine(target, NoDrafter()), Engine(target, DraftModelDrafter(draft, args.gamma))
-    totals = dict.fromkeys(("engine greedy", "engine chain SpS", "HF greedy", "HF assisted"), 0.0)
-    tokens, accepted = 0, []
-    for prompt in prompts(tokenizer, args.prompts):
+    stopper, threshold = checkpoint_stopper(args.draft)
+    engines = {"engine greedy": Engine(target, NoDrafter())}
+    engines.update({f"engine {c}": Engine(target, drafter(draft, c, stopper, threshold)) for c in args.configs})
+    names = [*engines, "HF greedy", "HF assisted"]
+    totals, accepted, steps = dict.fromkeys(names, 0.0), {}, {}
+    tokens, mismatches = 0, 0
+    all_prompts = prompts(tokenizer, args.prompts)
+    for i, prompt in enumerate(all_prompts):
         ids = torch.tensor([prompt])
         hf = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        for _ in range(2):  # the second pass is timed: the first warms allocators and kernels
-            t_greedy, base = timed(lambda: greedy.generate(prompt, args.new, ignore_eos=True))
-            t_sps, spec = timed(lambda: sps.generate(prompt, args.new, ignore_eos=True))
-            t_hf, _ = timed(lambda: target.generate(ids, **hf))
-            t_assist, assisted = timed(lambda: target.generate(ids, assistant_model=draft, **hf))
-        if spec.sequences != base.sequences:
-            print(f"note: a near-tie flipped a token ({args.dtype}); outputs differ for one prompt", flush=True)
-        for key, t in zip(totals, (t_greedy, t_sps, t_hf, t_assist)):
-            totals[key] += t
+        runs = {name: (lambda e=engine: e.generate(prompt, args.new, ignore_eos=True)) for name, engine in engines.items()}
+        runs["HF greedy"] = lambda: target.generate(ids, **hf)
+        runs["HF assisted"] = lambda: target.generate(ids, assistant_model=draft, **hf)
+        for name, run in runs.items():
+            if i == 0:
+                run()  # warm-up: allocators, kernels, caches
+            t, out = timed(run)
+            totals[name] += t
+            if name == "engine greedy":
+                reference = out.sequences
+            elif name.startswith("engine"):
+                mismatches += out.sequences != reference
+            if name.startswith("engine"):
+                steps[name] = steps.get(name, 0) + out.stats.steps
+                accepted[name] = accepted.get(name, 0) + sum(a for s in out.stats.accepted for a in s if a >= 0)
         tokens += args.new
-        accepted.append(spec.stats.mean_accepted)
-    print(f"target {args.target}, draft {args.draft}, gamma {args.gamma}, {len(accepted)} prompts x {args.new} tokens")
-    print(f"mean accepted drafts per step: {sum(accepted) / len(accepted):.2f} of {args.gamma}")
-    for key, t in totals.items():
-        print(f"  {key:18} {tokens / t:8.1f} tok/s   x{totals['engine greedy'] / t:5.2f} vs engine greedy   "
-              f"x{totals['HF assisted'] / t:5.2f} vs HF assisted")
+    print(f"target {args.target}, draft {args.draft} ({args.dtype}), {len(all_prompts)} prompts x {args.new} tokens"
+          f"{' (MT-bench first turns)' if MT_BENCH.is_file() else ''}; outputs differing from engine greedy: {mismatches}")
+    print(f"  {'method':28} {'tok/s':>8} {'vs engine greedy':>17} {'vs HF assisted':>15} {'accepted/step':>14}")
+    for name, t in totals.items():
+        per_step = f"{accepted[name] / steps[name]:14.2f}" if name in steps and name != "engine greedy" else " " * 14
+        print(f"  {name:28} {tokens / t:8.1f} {totals['engine greedy'] / t:17.2f} {totals['HF assisted'] / t:15.2f} {per_step}")
 
 
 if __name__ == "__main__":

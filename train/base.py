@@ -71,6 +71,13 @@ class ProvidesData(Protocol):
     def collator(self, tokenizer: Any) -> Callable[[list[dict]], dict[str, torch.Tensor]]: ...
 
 
+@runtime_checkable
+class Standalone(Protocol):
+    """A method that runs its own loop (e.g. the stopper's trace collection and L-BFGS fit), not the HF Trainer."""
+
+    def run(self, cfg: DictConfig) -> dict[str, float]: ...
+
+
 def load_method(cfg: DictConfig) -> TrainMethod:
     module = importlib.import_module(f"train.{cfg.method.name}")
     return module.Method(cfg)
@@ -363,6 +370,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     output_dir.mkdir(parents=True, exist_ok=True)
     report_to = configure_logger(cfg)
     method = load_method(cfg)
+    if isinstance(method, Standalone):
+        return method.run(cfg)
 
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.chat_template or cfg.data.chat_template, cfg.model.trust_remote_code)
     args = training_arguments(cfg, report_to, deepspeed_settings(cfg))  # before the target: ZeRO-3 loads it partitioned

@@ -171,6 +171,23 @@ class DistillConfig:
 
 
 @dataclass
+class StopperConfig:
+    """Draft-length decision model (train/stopper.py): traces from chain decoding, a logistic/MLP fit, a threshold."""
+
+    name: str = "stopper"
+    draft: str = "builtin:tiny-draft"  # a conf/model name, hub id, directory, builtin:<name> or draft_model checkpoint
+    max_gamma: int = 8  # draft length of the traces (the longest a step may draft)
+    prompts: int = 256  # train prompts traced (the first validation_fraction of them held out)
+    validation_fraction: float = 0.25
+    max_new_tokens: int = 128  # per prompt
+    batch_size: int = 8
+    temperature: float = 0.0  # decoding temperature of the traces (0 = greedy)
+    hidden: int = 0  # 0: logistic regression; else a one-layer MLP of this width
+    calibration_prompts: int = 4  # batch-1 runs that measure the draft/target cost ratio
+    draft_cost: Optional[float] = None  # one draft forward / the rest of a step; null = measured here
+
+
+@dataclass
 class TrainConfig:
     method: Any = MISSING
     model: ModelConfig = MISSING
@@ -183,7 +200,8 @@ class TrainConfig:
     seed: int = 42
 
 
-METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config, "cllm": CllmConfig, "distill": DistillConfig}
+METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config, "cllm": CllmConfig, "distill": DistillConfig,
+                  "stopper": StopperConfig}
 
 
 def register_configs() -> None:
