@@ -186,8 +186,10 @@ def load(
             raise CheckpointError(f"{drafter_path / CONFIG_NAME}: no base_model_name_or_path; pass base=")
     elif base is None:
         raise ValueError("load: pass drafter_path (a draftsmith checkpoint) or base (a model to decode alone)")
-    elif tree is not None or draft_stop is not None:
-        raise ValueError("load: tree= and draft_stop= need a drafter; pass drafter_path")
+    elif tree is not None:
+        raise ValueError("load: tree= needs a tree drafter; pass drafter_path")
+    elif draft_stop is not None:
+        raise ValueError("load: draft_stop= needs a draft model; pass drafter_path")
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,

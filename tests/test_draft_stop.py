@@ -224,7 +224,7 @@ def test_draft_stop_is_refused_where_it_does_not_apply(stopper_run):
     from inference.api import load
 
     target, out, _ = stopper_run
-    with pytest.raises(ValueError, match="need a drafter"):
+    with pytest.raises(ValueError, match="draft_stop= needs a draft model"):
         load(base=str(target), dtype="fp32", draft_stop="fixed")
     with pytest.raises(ValueError, match="takes no tree= or draft_stop="):
         load("prompt_lookup", base=str(target), dtype="fp32", draft_stop="fixed")
