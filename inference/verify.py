@@ -21,6 +21,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -125,13 +126,55 @@ def path_matches(tree: TreeBuffers, accept: torch.Tensor) -> torch.Tensor:
 
 
 def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers) -> VerifyResult:
-    """Exact greedy: the longest path whose every token equals the target argmax at its parent."""
+    """Exact greedy: the longest path whose every token equals the target argmax at its parent (the first such leaf
+    path in `tree.retrieve` order on ties; every longest path carries the same tokens, the target's argmax chain).
+
+    One argmax on the logits' device, then a walk over the [B, K] argmax ids on the host: the tree is small, and a
+    dozen indexing kernels cost more than the walk (about 0.5 ms per step on CPU, as much as the drafting itself)."""
     pred = logits.argmax(-1)  # [B, K]
-    accept = tokens == pred.gather(1, tree.parent.clamp(min=0).expand_as(tokens))  # [B, K]; root entry unused
-    lengths = path_matches(tree, accept)  # [B, P]
-    best = lengths.argmax(-1)  # [B]; every longest path carries the same tokens: the target's argmax chain
-    node = tree.retrieve[best, lengths.gather(1, best[:, None])[:, 0]]
-    return make_result(tree, tokens, node, pred.gather(1, node[:, None])[:, 0])
+    host = host_tree(tree)
+    nodes, accepted, next_ids = [], [], []
+    for drafted, argmax in zip(tokens.tolist(), pred.tolist()):
+        best_len, best = -1, 0
+        for path in host.paths:  # root .. leaf
+            n = 1
+            while n < len(path) and drafted[path[n]] == argmax[path[n - 1]]:
+                n += 1
+            if n - 1 > best_len:
+                best_len, best = n - 1, path[n - 1]
+        nodes.append(best)
+        accepted.append(best_len)
+        next_ids.append(argmax[best])
+    width = tree.node_path.shape[1]
+    committed = [[drafted[x] for x in host.node_path[node][1 : n + 1]] + [nxt] + [-1] * (width - n - 1)
+                 for drafted, node, n, nxt in zip(tokens.tolist(), nodes, accepted, next_ids)]
+    as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=tokens.device)
+    return VerifyResult(
+        node=as_tensor(nodes),
+        path_index=as_tensor([host.node_to_path[x] for x in nodes]),
+        num_accepted=as_tensor(accepted),
+        path=as_tensor([host.node_path[x] for x in nodes]),
+        tokens=as_tensor(committed),
+        next_token=as_tensor(next_ids),
+    )
+
+
+@dataclass(frozen=True)
+class HostTree:
+    """Python copies of a tree's index buffers, for host-side walks."""
+
+    paths: tuple[tuple[int, ...], ...]  # root .. leaf node ids of each row of `retrieve`, unpadded
+    node_path: tuple[tuple[int, ...], ...]  # [K][L] root .. node, padded with -1 (as TreeBuffers.node_path)
+    node_to_path: tuple[int, ...]  # [K]
+
+
+@functools.lru_cache(maxsize=64)
+def host_tree(tree: TreeBuffers) -> HostTree:
+    return HostTree(
+        paths=tuple(tuple(n for n in row if n >= 0) for row in tree.retrieve.tolist()),
+        node_path=tuple(map(tuple, tree.node_path.tolist())),
+        node_to_path=tuple(tree.node_to_path.tolist()),
+    )
 
 
 def typical_threshold(probs: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:

@@ -127,12 +127,16 @@ def test_medusa_candidates_are_the_heads_top_k(tiny_lm_factory, shared):
         with pytest.raises(ValueError, match="pass base_lm_head"):
             MedusaDrafter(MedusaHeads(MedusaConfig(3, 1, 32, VOCAB, share_lm_head=True)), tree)
         # Own projections run as one bmm over a stack the heads' weights are views of: same parameters, no copy.
-        assert drafter.stacked is not None
-        assert all(h.lm_head.weight.data_ptr() == drafter.stacked[k].data_ptr() for k, h in enumerate(heads.heads))
+        stacked = drafter.stacked
+        assert stacked is not None
+        for k, head in enumerate(heads.heads):
+            assert head.lm_head.weight.data_ptr() == stacked.projection[k].data_ptr()
+            assert head.blocks[0].linear.weight.data_ptr() == stacked.weights[0][k].data_ptr()
+            assert head.blocks[0].linear.bias.data_ptr() == stacked.biases[0][k].data_ptr()
         heads.double()  # moved/cast after the drafter was built: the drafter re-stacks instead of using stale weights
         expected = heads(hidden[:, None].double(), lm_head)[:, :, 0].topk(tree.topk, dim=-1).indices
         assert torch.equal(drafter.candidates(hidden), expected.permute(1, 0, 2).reshape(2, -1))
-        assert drafter.stacked.dtype == torch.float64
+        assert drafter.stacked.projection.dtype == torch.float64 and drafter.stacked.weights[0].dtype == torch.float64
 
 
 def test_batched_left_padded_greedy_equals_per_row(tiny_lm):
