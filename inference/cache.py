@@ -72,19 +72,18 @@ def keep_nodes(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     become holes) at slots start .. start+N-1 and drop the other tree slots. Slots before `start` are untouched."""
     b, n = keep.shape
     tree_len = cache.get_seq_length() - start
-    contiguous = bool((keep == torch.arange(n, device=keep.device)).all())
-    if not contiguous:
+    in_place = list(range(n))
+    if any(row != in_place for row in keep.tolist()):  # on the host: [B, N] is tiny, a kernel costs more
         on_device = _per_device(keep)
         for layer in cache.layers:
             for kv in (layer.keys, layer.values):  # [B, H, S + K, Dh]; each layer on its own device under device_map
-                tree_kv = kv[:, :, start:]
                 here = on_device(kv.device)
                 if b == 1:
-                    picked = tree_kv.index_select(2, here[0])
+                    picked = kv.index_select(2, here[0] + start)
                 else:
                     index = here[:, None, :, None].expand(b, kv.shape[1], n, kv.shape[3])
-                    picked = tree_kv.gather(2, index)  # [B, H, N, Dh]
-                kv[:, :, start : start + n] = picked  # `picked` is a copy, so overlapping slots are safe
+                    picked = kv.narrow(2, start, tree_len).gather(2, index)  # [B, H, N, Dh]
+                kv.narrow(2, start, n).copy_(picked)  # `picked` is a copy, so overlapping slots are safe
     if tree_len > n:
         cache.crop(-(tree_len - n))
 
