@@ -160,6 +160,10 @@ def open_session(args: argparse.Namespace) -> Session:
         raise UsageError(f"--drafter {name} needs --base (the model to decode with)")
     if name == "none" and args.tree is not None:
         raise UsageError("--tree needs a drafter; --drafter is none")
+    if args.draft_stop is not None:  # before any model loads
+        from inference.draft_stop import check_stop_spec
+
+        check_stop_spec(args.draft_stop, config is not None and isinstance(config.get("stopper"), dict))
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
     if args.offload_folder is not None and args.device_map is None:

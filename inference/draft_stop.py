@@ -60,23 +60,35 @@ def parse_stop(spec: str | None, stopper: StopperModel | None, saved_threshold: 
     """`spec` (see the module docstring) -> a DraftStop; None picks 'learned' when a stopper is given, else 'fixed'."""
     if spec is None:
         spec = "learned" if stopper is not None else "fixed"
+    kind, threshold = check_stop_spec(spec, stopper is not None)
+    if kind == "fixed":
+        return DraftStop()
+    return DraftStop(kind, saved_threshold if threshold is None else threshold, stopper if kind == "learned" else None)
+
+
+def check_stop_spec(spec: str, has_stopper: bool) -> tuple[str, float | None]:
+    """Validate a stop spec without loading anything: (kind, threshold or None for the saved one), or StopSpecError."""
     kind, _, value = spec.partition(":")
     if kind not in KINDS:
         raise StopSpecError(f"draft stop {spec!r}: choose fixed, confidence:<t> or learned[:<t>]")
     if kind == "fixed":
         if value:
             raise StopSpecError(f"draft stop {spec!r}: 'fixed' takes no threshold (the draft length is the tree's)")
-        return DraftStop()
+        return kind, None
     if not value and kind == "confidence":
         raise StopSpecError(f"draft stop {spec!r}: give the threshold, e.g. confidence:0.4")
-    try:
-        threshold = float(value) if value else saved_threshold
-    except ValueError:
-        raise StopSpecError(f"draft stop {spec!r}: threshold {value!r} is not a number") from None
-    if kind == "learned" and stopper is None:
+    if kind == "learned" and not has_stopper:
         raise StopSpecError(f"draft stop {spec!r}: this draft model has no stopper; train one with "
                             "`python -m train stopper` and load that checkpoint")
-    return DraftStop(kind, float(threshold), stopper if kind == "learned" else None)
+    if not value:
+        return kind, None
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise StopSpecError(f"draft stop {spec!r}: threshold {value!r} is not a number") from None
+    if not 0.0 <= threshold <= 1.0:
+        raise StopSpecError(f"draft stop threshold {threshold}: must be in [0, 1]")
+    return kind, threshold
 
 
 @dataclass(eq=False)

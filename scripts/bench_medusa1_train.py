@@ -74,8 +74,9 @@ def throughput(args) -> dict[str, float]:
     return {"train_tok_s": tokens / times["train"], "forward_tok_s": tokens / times["forward"]}
 
 
-def peak_memory_child(path: str, quantization: str, heads: int) -> None:
-    """Runs in a subprocess: print the peak RSS (MiB) of load + 3 medusa1 steps above the post-import baseline."""
+def peak_memory_child(path: str, quantization: str, heads: int, steps: int, batch: int, seq: int) -> None:
+    """Runs in a subprocess: print the peak RSS (MiB) of `steps` medusa1 steps (weights loaded, heads and AdamW
+    state included) above the post-import baseline."""
 
     def rss(field: str) -> float:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -91,7 +92,7 @@ def peak_memory_child(path: str, quantization: str, heads: int) -> None:
     module = method.build(target, None)
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak: measure training, not the one-off load
-    for b in batches(target.config.vocab_size, 3, 2, 128):
+    for b in batches(target.config.vocab_size, steps, batch, seq):
         method.forward_loss(module, b).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -109,15 +110,16 @@ def memory(args) -> dict[str, float]:
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
         peaks = {}
         for quant in ("bf16", "nf4"):
-            out = subprocess.run([sys.executable, __file__, "--child", tmp, quant, str(args.heads)],
-                                 capture_output=True, text=True, check=True)
+            child = [sys.executable, __file__, "--child", tmp, quant, str(args.heads), str(args.mem_steps),
+                     str(args.mem_batch), str(args.mem_seq)]
+            out = subprocess.run(child, capture_output=True, text=True, check=True)
             peaks[quant] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
     return {"bf16_peak_mib": peaks["bf16"], "nf4_peak_mib": peaks["nf4"], "nf4_over_bf16": peaks["nf4"] / peaks["bf16"]}
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        peak_memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        peak_memory_child(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]))
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:tiny")
@@ -129,6 +131,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mem-hidden", type=int, default=1536)
     p.add_argument("--mem-layers", type=int, default=12)
+    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--mem-batch", type=int, default=2)
+    p.add_argument("--mem-seq", type=int, default=128)
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     args = p.parse_args()
@@ -141,7 +146,8 @@ def main() -> None:
         print(f"  ratio (goal >= 0.85)  : {t['train_tok_s'] / t['forward_tok_s']:9.3f}")
     if not args.skip_memory:
         m = memory(args)
-        print(f"random Llama hidden {args.mem_hidden} x {args.mem_layers} layers, peak memory of 3 medusa1 steps")
+        print(f"random Llama hidden {args.mem_hidden} x {args.mem_layers} layers, peak memory of {args.mem_steps} medusa1 "
+              f"steps ({args.heads} heads, batch {args.mem_batch} x {args.mem_seq})")
         print(f"  bf16 backbone : {m['bf16_peak_mib']:8.0f} MiB")
         print(f"  nf4 backbone  : {m['nf4_peak_mib']:8.0f} MiB")
         print(f"  ratio (goal <= 0.4) : {m['nf4_over_bf16']:.3f}")

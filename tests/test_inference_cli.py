@@ -82,6 +82,20 @@ def test_generate_equals_plain_decoding_and_streams_the_same_text(assets, capsys
     assert code == 0 and out == spec["text"] + "\n" and "target forwards" in err
 
 
+def test_draft_model_with_a_stop_policy_from_the_cli(assets, capsys):
+    """--draft-stop reaches the draft model (the model drafting for itself: every draft accepted until it stops);
+    a learned stop on a draft model without a stopper is one line and exit code 2."""
+    argv = ("--drafter", assets["model"], "--base", assets["model"], "--tree", "chain:3", "--prompt", "hello world",
+            "--max-new-tokens", "24")
+    plain = generate_json(capsys, "--base", assets["model"], "--prompt", "hello world", "--max-new-tokens", "24")
+    fixed = generate_json(capsys, *argv, "--draft-stop", "fixed")
+    stopped = generate_json(capsys, *argv, "--draft-stop", "confidence:1.0")  # stops after one draft every step
+    assert fixed["token_ids"] == stopped["token_ids"] == plain["token_ids"]
+    assert stopped["stats"]["steps"] == 12 and fixed["stats"]["steps"] == 6  # 23 tokens after prefill: 2 or 4 a step
+    code, out, err = run(capsys, "generate", "--dtype", "fp32", *argv, "--draft-stop", "learned")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "has no stopper" in err
+
+
 def test_stop_string_cuts_text_and_ids(assets, capsys):
     full = generate_json(capsys, "--drafter", assets["ckpt"], "--prompt", "hi", "--max-new-tokens", "32")
     tok = tiny_tokenizer()

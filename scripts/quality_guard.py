@@ -1,0 +1,73 @@
+"""Does a fine-tuned target (a Medusa-2 or CLLM checkpoint) still do its own job? One run, held-out ground truth.
+
+Prints, for the original base model and the checkpoint's fine-tuned backbone on the same validation chats of a data
+config: next-token loss / perplexity on the reference answers, and greedy agreement (teacher-forced along the
+original's greedy continuations of the validation prompts, the share of positions where both argmaxes agree).
+
+    python scripts/quality_guard.py outputs/cllm/tiny                       # default data: stdlib chats, validation
+    python scripts/quality_guard.py outputs/medusa2/vicuna7b --data sharegpt data.path=chats.json --prompts 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    from hydra import compose, initialize_config_module
+
+    from data.collate import ChatCollator
+    from data.datasets import build_datasets
+    from models.checkpoint import load_drafter_target, read_drafter_config
+    from models.loading import load_target, load_tokenizer, model_settings
+    from train.base import prompt_ids
+    from train.config import register_configs
+    from train.quality_guard import greedy_agreement, greedy_reference, lm_quality
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a draftsmith checkpoint that carries a fine-tuned backbone")
+    parser.add_argument("--data", default="default", help="conf/data name; override keys as data.key=value")
+    parser.add_argument("--prompts", type=int, default=48, help="validation prompts for greedy agreement")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=None, help="at most this many validation batches")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("overrides", nargs="*", help="data.key=value")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    config = read_drafter_config(args.checkpoint)
+    if not config.get("backbone"):
+        raise SystemExit(f"{args.checkpoint}: no fine-tuned backbone in this checkpoint (nothing to compare)")
+    base = config["base_model_name_or_path"]
+    settings = model_settings(base)
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+model=tiny", f"model.path={settings['path']}",
+                                                      f"data={args.data}", *args.overrides,
+                                                      f"eval.greedy_prompts={args.prompts}"])
+    tokenizer = load_tokenizer(settings["path"], cfg.data.chat_template)
+    validation = build_datasets(cfg.data, tokenizer).validation
+    if validation is None:
+        raise SystemExit(f"data={args.data}: no validation split")
+    collate = ChatCollator(tokenizer.pad_token_id)
+    batches = [collate([validation[j] for j in range(i, min(i + 8, len(validation)))])
+               for i in range(0, len(validation), 8)][: args.batches]
+    original = load_target(settings["path"], dtype=args.dtype)
+    tuned = load_drafter_target(args.checkpoint, base, dtype=args.dtype)
+    before, after = lm_quality(original, batches), lm_quality(tuned, batches)
+    reference = greedy_reference(original, prompt_ids(cfg, tokenizer), tokenizer, args.new_tokens, 8)
+    hits, total = greedy_agreement(tuned, reference)
+    print(f"{args.checkpoint} vs {base} on {before.tokens} validation answer tokens ({args.data})")
+    print(f"  perplexity  original {before.perplexity:.3f}   fine-tuned {after.perplexity:.3f}   "
+          f"({after.perplexity / before.perplexity - 1:+.2%})")
+    print(f"  greedy agreement with the original: {hits / max(total, 1):.3f} over {total} positions")
+
+
+if __name__ == "__main__":
+    main()
