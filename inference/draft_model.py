@@ -252,7 +252,8 @@ def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int
                               draft_stop: str | None = None) -> DraftModelDrafter:
     """DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
     (a directory or "builtin:<name>") loaded in the target's dtype on `device`, vocabulary checked. `draft_stop`
-    (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has one, else "fixed"."""
+    (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has one, else "fixed";
+    with a stopper and no `tree`, the draft length is the one it was trained for (its traces' max_gamma)."""
     from models.loading import load_target
 
     source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
@@ -260,7 +261,9 @@ def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int
     name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
     draft = load_target(source, dtype=name).to(device)
     check_vocab(draft, model)
-    gamma, branches = draft_shape(tree)
     stopper, threshold = checkpoint_stopper(path)
+    if tree is None and stopper is not None:  # the draft length its stopper was trained for
+        tree = f"chain:{read_drafter_config(path)['stopper'].get('max_gamma', DEFAULT_GAMMA)}"
+    gamma, branches = draft_shape(tree)
     stop = parse_stop(draft_stop, None if stopper is None else stopper.to(device), threshold)
     return DraftModelDrafter(draft, gamma, branches, stop=stop)

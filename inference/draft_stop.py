@@ -3,8 +3,8 @@ from the draft's own distributions only, so every policy keeps speculative decod
 verified, never how.
 
     fixed            always draft gamma tokens
-    confidence:<t>   stop once every row's (and branch's) drafted token has draft probability < t (the rule of
-                     Hugging Face assisted generation's `assistant_confidence_threshold`)
+    confidence:<t>   stop once the draft's top-1 probability (the drafted token's, when greedy) is < t for every
+                     row and branch (Hugging Face assisted generation's `assistant_confidence_threshold` rule)
     learned[:<t>]    a trained `StopperModel` predicts each token's acceptance; stop once every row's predicted
                      probability that all its drafts so far are accepted is < t (the threshold saved with the
                      stopper when t is omitted)
@@ -43,7 +43,7 @@ class DraftStop:
             raise StopSpecError(f"draft stop threshold {self.threshold}: must be in [0, 1]")
 
     def survival(self, features: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-        """[B, k, F] features of the tokens just drafted -> [B, k] the policy's score: the drafted token's probability
+        """[B, k, F] features of the tokens just drafted -> [B, k] the policy's score: the draft's top-1 probability
         (confidence) or the predicted probability that every draft so far is accepted (learned)."""
         if self.kind == "confidence":
             return features[..., FEATURES.index("top1")]

@@ -53,10 +53,12 @@ def save_stopper(folder: Path, model: StopperModel) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / STOPPER_FILE))
 
 
-def stopper_entry(model: StopperModel, threshold: float, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The `stopper` entry of a draft_model checkpoint's config.json."""
+def stopper_entry(model: StopperModel, threshold: float, max_gamma: int, metrics: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """The `stopper` entry of a draft_model checkpoint's config.json; `max_gamma` (the traces' draft length) is the
+    draft length the engine uses with this checkpoint unless a tree is given."""
     return {"path": STOPPER_FILE, "features": list(FEATURES), "hidden": model.hidden, "threshold": float(threshold),
-            **({"metrics": metrics} if metrics else {})}
+            "max_gamma": int(max_gamma), **({"metrics": metrics} if metrics else {})}
 
 
 def load_stopper(folder: Path, entry: dict[str, Any]) -> StopperModel:

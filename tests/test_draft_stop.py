@@ -212,6 +212,7 @@ def test_train_stopper_writes_a_served_checkpoint(stopper_run):
     assert metrics["examples"] > 0 and 0 <= metrics["accept_rate"] <= 1 and metrics["draft_cost_ratio"] > 0
     engine = load(out, dtype="fp32")
     assert engine.drafter.stop.kind == "learned" and engine.drafter.stop.threshold == config["stopper"]["threshold"]
+    assert engine.drafter.gamma == config["stopper"]["max_gamma"] == 3  # the draft length it was trained for
     plain = load(base=str(target), dtype="fp32")
     prompt = [5, 6, 7, 8]
     expected = plain.generate(prompt, 12, ignore_eos=True).sequences
