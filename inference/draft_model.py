@@ -238,14 +238,15 @@ def draft_shape(tree: Any) -> tuple[int, int]:
     return buffers.max_depth, branches
 
 
-def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, float | None]:
-    """The stopper a draft_model checkpoint carries (from `python -m train stopper`) and its saved threshold."""
+def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, dict[str, Any]]:
+    """The stopper a draft_model checkpoint carries (from `python -m train stopper`) and its config.json entry
+    (threshold, max_gamma, ...); (None, {}) when it has none."""
     if is_plain_model(path):
-        return None, None
+        return None, {}
     entry = read_drafter_config(path).get("stopper")
     if not isinstance(entry, dict):
-        return None, None
-    return load_stopper(Path(path), entry), float(entry.get("threshold", 0.5))
+        return None, {}
+    return load_stopper(Path(path), entry), entry
 
 
 def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,
@@ -261,9 +262,9 @@ def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int
     name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
     draft = load_target(source, dtype=name).to(device)
     check_vocab(draft, model)
-    stopper, threshold = checkpoint_stopper(path)
+    stopper, entry = checkpoint_stopper(path)
     if tree is None and stopper is not None:  # the draft length its stopper was trained for
-        tree = f"chain:{read_drafter_config(path)['stopper'].get('max_gamma', DEFAULT_GAMMA)}"
+        tree = f"chain:{entry.get('max_gamma', DEFAULT_GAMMA)}"
     gamma, branches = draft_shape(tree)
-    stop = parse_stop(draft_stop, None if stopper is None else stopper.to(device), threshold)
+    stop = parse_stop(draft_stop, None if stopper is None else stopper.to(device), float(entry.get("threshold", 0.5)))
     return DraftModelDrafter(draft, gamma, branches, stop=stop)

@@ -52,8 +52,13 @@ class DraftStop:
             return p if previous is None else previous * p
         return torch.ones(features.shape[:-1], device=features.device)
 
-    def keep_drafting(self, score: torch.Tensor) -> bool:
-        return self.kind == "fixed" or bool((score >= self.threshold).any())
+    def keeps(self, score: torch.Tensor) -> torch.Tensor:
+        """[...] scores -> [...] bool: which rows (and branches) would draft one more token."""
+        return score >= self.threshold if self.kind != "fixed" else torch.ones_like(score, dtype=torch.bool)
+
+    def keep_drafting(self, score: torch.Tensor | None) -> bool:
+        """Draft one more depth while any row or branch keeps going (`score` may be None for "fixed")."""
+        return self.kind == "fixed" or bool(self.keeps(score).any())
 
 
 def parse_stop(spec: str | None, stopper: StopperModel | None, saved_threshold: float | None) -> DraftStop:

@@ -134,7 +134,8 @@ def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers)
     pred = logits.argmax(-1)  # [B, K]
     host = host_tree(tree)
     nodes, accepted, next_ids = [], [], []
-    for drafted, argmax in zip(tokens.tolist(), pred.tolist()):
+    drafted_rows = tokens.tolist()
+    for drafted, argmax in zip(drafted_rows, pred.tolist()):
         best_len, best = -1, 0
         for path in host.paths:  # root .. leaf
             n = 1
@@ -147,7 +148,7 @@ def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers)
         next_ids.append(argmax[best])
     width = tree.node_path.shape[1]
     committed = [[drafted[x] for x in host.node_path[node][1 : n + 1]] + [nxt] + [-1] * (width - n - 1)
-                 for drafted, node, n, nxt in zip(tokens.tolist(), nodes, accepted, next_ids)]
+                 for drafted, node, n, nxt in zip(drafted_rows, nodes, accepted, next_ids)]
     as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=tokens.device)
     return VerifyResult(
         node=as_tensor(nodes),

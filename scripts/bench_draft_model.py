@@ -105,7 +105,8 @@ def main() -> None:
     tokenizer = load_tokenizer(args.target)
     target, draft = load_target(args.target, dtype=args.dtype), load_target(draft_path, dtype=args.dtype)
     check_vocab(draft, target)
-    stopper, threshold = checkpoint_stopper(args.draft)
+    stopper, entry = checkpoint_stopper(args.draft)
+    threshold = entry.get("threshold")
     engines = {"engine greedy": Engine(target, NoDrafter())}
     engines.update({f"engine {c}": Engine(target, drafter(draft, c, stopper, threshold)) for c in args.configs})
     names = [*engines, "HF greedy", "HF assisted"]

@@ -177,18 +177,25 @@ def test_sampled_drafts_through_the_loop_match_target(tiny_lm_factory, branches)
     config = DecodeConfig(max_new_tokens=3, sampling=params)
     out = generate(target, prompt.expand(SAMPLES, -1), DraftModelDrafter(draft_lm, 2, branches), config,
                    generator=torch.Generator().manual_seed(0))
-    seqs = torch.tensor(out.sequences)  # [N, 3]
-    with torch.no_grad():
-        prefixes = [list(p) for n in range(3) for p in itertools.product(range(v), repeat=n)]
-        joint = torch.zeros(v, v, v)
-        cond = {tuple(p): target_probs(target(input_ids=torch.tensor([[3, 5, 4, *p]])).logits[0, -1], params)
-                for p in prefixes}
-        for a, b in itertools.product(range(v), repeat=2):
-            joint[a, b] = cond[()][a] * cond[(a,)][b] * cond[(a, b)]
-    counts = torch.zeros(v, v, v).index_put_(tuple(seqs.T), torch.ones(SAMPLES), accumulate=True)
+    assert_follows_target_joint(out.sequences, target, prompt[0].tolist(), params)
+    assert 0 < out.stats.mean_accepted < 2
+
+
+@torch.no_grad()
+def assert_follows_target_joint(sequences: list[list[int]], target, prompt: list[int], params: SamplingParams) -> None:
+    """Chi-square test: the 3-token samples follow the target's autoregressive joint after `prompt`, enumerated
+    exactly over its (tiny) vocabulary."""
+    v = target.get_output_embeddings().weight.shape[0]
+    prefixes = [list(p) for n in range(3) for p in itertools.product(range(v), repeat=n)]
+    cond = {tuple(p): target_probs(target(input_ids=torch.tensor([[*prompt, *p]])).logits[0, -1], params)
+            for p in prefixes}
+    joint = torch.zeros(v, v, v)
+    for a, b in itertools.product(range(v), repeat=2):
+        joint[a, b] = cond[()][a] * cond[(a,)][b] * cond[(a, b)]
+    seqs = torch.tensor(sequences)  # [N, 3]
+    counts = torch.zeros(v, v, v).index_put_(tuple(seqs.T), torch.ones(len(seqs)), accumulate=True)
     stat, cells = chi2(counts, joint)
     assert stat < chi2_bound(cells), (stat, cells)
-    assert 0 < out.stats.mean_accepted < 2
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ decoding under every policy, and a `python -m train stopper` run whose checkpoin
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -18,11 +17,11 @@ import torch
 from inference.draft_model import DraftModelDrafter
 from inference.draft_stop import DraftStop, StopSpecError, StopTrace, parse_stop
 from inference.generate import DecodeConfig, generate
-from inference.verify import SamplingParams, target_probs
+from inference.verify import SamplingParams
 from models.stopper import FEATURES, StopperModel, stop_features
 from tests.conftest import build_tiny_lm
 from tests.model_support import save_tiny_model
-from tests.test_draft_model import SAMPLES, chi2, chi2_bound, left_pad, noisy_copy, plain_greedy
+from tests.test_draft_model import SAMPLES, assert_follows_target_joint, left_pad, noisy_copy, plain_greedy
 from train.stopper import Costs, examples, fit, simulate, stacked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,17 +164,7 @@ def test_sampled_drafts_with_a_stop_policy_match_target():
         top1 = torch.softmax(draft_lm(input_ids=prompt).logits[0, -1].float(), -1).max().item()
     drafter = DepthRecorder(DraftModelDrafter(draft_lm, 2, stop=DraftStop("confidence", top1 + 1e-4)))
     out = generate(target, prompt.expand(SAMPLES, -1), drafter, config, generator=torch.Generator().manual_seed(0))
-    seqs = torch.tensor(out.sequences)  # [N, 3]
-    with torch.no_grad():
-        prefixes = [list(p) for n in range(3) for p in itertools.product(range(v), repeat=n)]
-        cond = {tuple(p): target_probs(target(input_ids=torch.tensor([[3, 5, 4, *p]])).logits[0, -1], params)
-                for p in prefixes}
-    joint = torch.zeros(v, v, v)
-    for a, b in itertools.product(range(v), repeat=2):
-        joint[a, b] = cond[()][a] * cond[(a,)][b] * cond[(a, b)]
-    counts = torch.zeros(v, v, v).index_put_(tuple(seqs.T), torch.ones(SAMPLES), accumulate=True)
-    stat, cells = chi2(counts, joint)
-    assert stat < chi2_bound(cells), (stat, cells)
+    assert_follows_target_joint(out.sequences, target, prompt[0].tolist(), params)
     assert drafter.depths[0] == 1 and 2 in drafter.depths  # the first step (prompt only) stops, later ones vary
 
 

@@ -308,20 +308,30 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
 
 def prompt_ids(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
     """First user turn of validation conversations, formatted for generation (for the greedy-continuation eval)."""
+    return first_user_prompts(cfg, tokenizer, "validation", cfg.eval.greedy_prompts)
+
+
+def first_user_prompts(cfg: DictConfig, tokenizer: Any, split: str, limit: int, shuffle_seed: int | None = None
+                       ) -> list[list[int]]:
+    """The first user turn of up to `limit` conversations of `split`, chat-formatted with a generation prompt;
+    conversations shuffled with `shuffle_seed` first when given."""
+    import random
+
     from data.chat import encode_prompt
     from data.datasets import load_conversations
 
-    n = cfg.eval.greedy_prompts
-    if n <= 0:
+    if limit <= 0:
         return []
-    conversations = load_conversations(cfg.data, "validation")
+    conversations = load_conversations(cfg.data, split)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(conversations)
     prompts = []
     for conv in conversations:
         first_user = next((i for i, m in enumerate(conv) if m["role"] == "user"), None)
         if first_user is None:
             continue
         prompts.append(encode_prompt(tokenizer, conv[: first_user + 1], chat_template=cfg.data.chat_template))
-        if len(prompts) == n:
+        if len(prompts) == limit:
             break
     return prompts
 

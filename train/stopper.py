@@ -17,9 +17,7 @@ No HF Trainer: the model has 5 (or a few hundred) parameters. Dimension letters:
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 import shlex
 import sys
 import time
@@ -65,7 +63,7 @@ def simulate(features: torch.Tensor, accepted: torch.Tensor, stop: DraftStop, co
     keep = torch.ones(rows, depth_max - 1, dtype=torch.bool)  # keep[:, d]: draft depth d + 2 after depth d + 1
     for d in range(depth_max - 1):
         score = stop.survival(features[:, d][:, None], score)  # [R, 1]
-        keep[:, d] = score[:, 0] >= stop.threshold if stop.kind != "fixed" else True
+        keep[:, d] = stop.keeps(score[:, 0])
     depth = 1 + keep.long().cumprod(dim=1).sum(dim=1)  # [R]
     tokens = torch.minimum(accepted, depth).sum().item() + rows
     drafts = depth.sum().item()
@@ -198,32 +196,23 @@ class Method:
 def resolve_draft(draft: str) -> str:
     """method.draft -> the draft causal LM's folder: a conf/model name, hub id, directory, builtin:<name>, or a
     draft_model checkpoint (e.g. from `python -m train distill`), whose draft/ folder is used."""
-    from models.checkpoint import draft_model_folder
+    from inference.draft_model import is_plain_model
+    from models.checkpoint import CONFIG_NAME, draft_model_folder
     from train.distill import draft_path
 
     path = draft_path(draft)
-    config = Path(path) / "config.json"
-    if config.is_file() and "drafter_type" in json.loads(config.read_text()):
-        return str(draft_model_folder(path))
+    if (Path(path) / CONFIG_NAME).is_file() and not is_plain_model(path):
+        return str(draft_model_folder(path))  # a checkpoint, or CheckpointError naming what is wrong with it
     return path
 
 
 def train_prompts(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
-    """First user turns of the data's train split, shuffled with data.seed, at most method.prompts."""
-    from data.chat import encode_prompt
-    from data.datasets import load_conversations
+    """First user turns of the data's train split, shuffled with data.seed, at most method.prompts, each cut to its
+    last data.max_length tokens."""
+    from train.base import first_user_prompts
 
-    conversations = load_conversations(cfg.data, "train")
-    random.Random(cfg.data.seed).shuffle(conversations)
-    prompts = []
-    for conv in conversations:
-        first_user = next((i for i, msg in enumerate(conv) if msg["role"] == "user"), None)
-        if first_user is not None:
-            ids = encode_prompt(tokenizer, conv[: first_user + 1], chat_template=cfg.data.chat_template)
-            prompts.append(ids[-cfg.data.max_length:])
-        if len(prompts) == cfg.method.prompts:
-            break
-    return prompts
+    prompts = first_user_prompts(cfg, tokenizer, "train", cfg.method.prompts, shuffle_seed=cfg.data.seed)
+    return [ids[-cfg.data.max_length:] for ids in prompts]
 
 
 def collect(engine, trace, prompts: list[list[int]], m: DictConfig, desc: str) -> list[tuple[torch.Tensor, int]]:
