@@ -95,6 +95,51 @@ def test_cllm_loss_equals_naive_reference(tiny_lm_factory, single_thread, settin
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 
+def test_ar_kl_term_equals_naive_kl_to_the_reference(tiny_lm_factory, single_thread):
+    """ar_loss=kl: L = L_C + w · mean over AR tokens of KL(p_ref ‖ p_model); the reference gets no gradient; the CE
+    is still reported; a reference equal to the model adds exactly zero."""
+    model = copy.deepcopy(tiny_lm_factory("llama")).requires_grad_(True)
+    original = tiny_lm_factory("llama", seed=1)
+    dataset = TrajectoryDataset(RECORDS, "target_output")
+    items = [dataset[i] for i in (0, 2, 3)]
+    batch = TrajectoryCollator(pad_token_id=0)(items)
+
+    def reference_of(m):
+        def reference(ids, mask, labels):
+            with torch.no_grad():
+                logits = m(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [B, T-1, V]
+                return logits[labels[:, 1:] != IGNORE_INDEX].float()
+        return reference
+
+    reference = reference_of(original)
+    settings = LossSettings("global", "kl", 1.0, 0.5, "kl")
+    out = cllm_loss(model, batch, settings, reference)
+    kls, count = [], 0
+    for it in items:
+        ids, labels = torch.tensor([it["ar_ids"]]), torch.tensor(it["ar_labels"][1:])
+        keep = labels != IGNORE_INDEX
+        log_q = model(ids).logits[0, :-1][keep].log_softmax(-1)
+        with torch.no_grad():
+            log_p = original(ids).logits[0, :-1][keep].log_softmax(-1)
+        kls.append((log_p.exp() * (log_p - log_q)).sum())
+        count += int(keep.sum())
+    want_kl = torch.stack(kls).sum() / count
+    consistency = cllm_loss(model, batch, LossSettings("global", "kl", 1.0, 0.0)).loss
+    torch.testing.assert_close(out.metrics["ar_kl"], want_kl.detach(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.loss, consistency + 0.5 * want_kl, rtol=1e-4, atol=1e-5)
+    assert float(out.metrics["ar_kl"]) > 1e-3  # two different random models
+    grads_got = torch.autograd.grad(out.loss, list(model.parameters()))
+    grads_want = torch.autograd.grad(consistency + 0.5 * want_kl, list(model.parameters()))
+    for a, b in zip(grads_got, grads_want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    ce_run = cllm_loss(model, batch, LossSettings("global", "kl", 1.0, 0.5))
+    torch.testing.assert_close(out.metrics["ar_loss"], ce_run.metrics["ar_loss"])  # the CE is still reported
+    same = cllm_loss(model, batch, settings, reference_of(model))
+    assert float(same.metrics["ar_kl"]) == pytest.approx(0.0, abs=1e-5)
+    with pytest.raises(ValueError, match="reference"):
+        cllm_loss(model, batch, settings)
+
+
 def test_block_logits_and_ar_loss_pick_the_right_positions(tiny_lm_factory, single_thread):
     model = tiny_lm_factory("qwen2")
     dataset = TrajectoryDataset(RECORDS, "target_output")

@@ -66,7 +66,7 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "train", "cllm", "+model=tiny", f"model.path={setup['model']}", "model.dtype=fp32", "data.self_distill=false",
-        f"method.trajectories={trajectories}", "method.lora_r=4", "method.consistency=local",
+        f"method.trajectories={trajectories}", "method.lora_r=4", "method.consistency=local", "method.ar_loss=kl",
         "method.divergence=soft_ce", "data=sharegpt", f"data.path={setup['chats']}", "data.validation_fraction=0.25",
         "training.max_steps=2", "training.per_device_train_batch_size=4", "training.logging_steps=1",
         "eval.greedy_prompts=1", "eval.greedy_new_tokens=8", "logger=none", f"output_dir={out}",
@@ -75,6 +75,7 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "Jacobi tokens per step" in result.stdout and "validation perplexity" in result.stdout
+    assert "AR KL to the original" in result.stdout  # LoRA: the teacher is the model with adapters disabled
     config = json.loads((out / "config.json").read_text())
     assert config["drafter_type"] == "cllm" and config["block_size"] == 4
     assert config["backbone"]["format"] == "lora_adapter" and config["training"]["global_step"] == 2
@@ -95,6 +96,8 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     ("method.divergence=js", "method.divergence='js'"),
     ("method.consistency=both", "method.consistency='both'"),
     ("method.ar_source=gold", "method.ar_source='gold'"),
+    ("method.ar_loss=mse", "method.ar_loss='mse'"),
+    ("method.ar_weight=0 method.ar_loss=kl", "trains no KL term"),
 ])
 def test_bad_method_settings_fail_in_one_line(override, message):
     from hydra import compose, initialize_config_module
@@ -106,6 +109,37 @@ def test_bad_method_settings_fail_in_one_line(override, message):
     register_configs()
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=["method=cllm", "+model=tiny", "method.trajectories=t.jsonl",
-                                                      override])
+                                                      *override.split()])
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         check_options(cfg)
+
+
+def test_full_fine_tuning_kl_teacher_is_a_frozen_copy(setup, single_thread):
+    """method.backbone=full + ar_loss=kl: the teacher is a frozen copy of the original loaded once; at the start the
+    KL is zero, after a weight changes it is positive, and only the trained model gets gradients."""
+    from hydra import compose, initialize_config_module
+
+    from data.jacobi import PromptSample, TrajectoryCollator, TrajectoryDataset, trajectory_record
+    from models.loading import load_target
+    from train.cllm import Method
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "method=cllm", "+model=tiny", f"model.path={setup['model']}", "model.dtype=fp32",
+            "method.trajectories=t.jsonl", "method.backbone=full", "method.ar_loss=kl"])
+    method = Method(cfg)
+    model = method.build(load_target(str(setup["model"]), dtype="fp32"), tokenizer=None)
+    teacher = method.frozen_original
+    assert teacher is not None and teacher is not model and not any(p.requires_grad for p in teacher.parameters())
+    record = trajectory_record(PromptSample("r", (1, 5, 7)), [[[3, 3, 3, 3], [10, 11, 12, 13]]], 4, "random", 0)
+    batch = TrajectoryCollator(0)([TrajectoryDataset([record])[0]])
+    assert float(method.forward_loss(model, batch).metrics["ar_kl"]) == pytest.approx(0.0, abs=1e-6)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1.5)
+    out = method.forward_loss(model, batch)
+    assert float(out.metrics["ar_kl"]) > 1e-4
+    out.loss.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+    assert model.get_output_embeddings().weight.grad is not None

@@ -10,7 +10,9 @@ a block it predicts the block's fixed point y* in one iteration. Per sample (pre
 θ⁻ is the same model without gradient (detached teacher logits). D is forward KL (`divergence=kl`) or the
 cross-entropy to the teacher distribution (`soft_ce`: same gradient, without the teacher's entropy). Both are
 averaged over the B·N block tokens. L_AR is next-token CE on the target's own greedy answer (`ar_source=
-target_output`: the concatenated fixed points) or the data's reply (`ground_truth`). Trajectories come from
+target_output`: the concatenated fixed points) or the data's reply (`ground_truth`); with `ar_loss=kl` it is instead
+KL(p_orig ‖ p_θ) on those tokens, p_orig the model before training (LoRA: adapters disabled; full: a frozen copy
+loaded once), which holds the whole next-token distribution where it was, not just its argmax. Trajectories come from
 `python -m data.jacobi`; data.validation_fraction / data.seed hold out records for evaluation, and the `data`
 config's validation prompts (eval.greedy_prompts) measure Jacobi tokens per step before/after training.
 Dimension letters: B batch, T time, N block size, V vocab, D hidden.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from omegaconf import DictConfig
@@ -41,6 +43,11 @@ from train.quality_guard import eval_mode, scored_logits
 
 CONSISTENCY = ("global", "local")
 DIVERGENCES = ("kl", "soft_ce")
+AR_LOSSES = ("ce", "kl")
+
+# (input_ids, attention_mask, labels) [B, T] each -> the original model's float32 logits [M, V] at the positions
+# scored_logits picks (same order), computed without gradient
+ReferenceLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def block_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, block_start: torch.Tensor,
@@ -67,10 +74,22 @@ def consistency_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, diverge
 def ar_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
             ) -> torch.Tensor:
     """Mean next-token CE over the trained (labels != -100) tokens."""
+    return ar_terms(model, input_ids, attention_mask, labels)[0]
+
+
+def ar_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+             reference: ReferenceLogits | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mean CE, mean KL(p_ref ‖ p_model) or None without `reference`) over the trained tokens of [B, T] rows."""
     logits, targets = scored_logits(model, input_ids, attention_mask, labels)  # [M, V], [M]
     if targets.numel() == 0:
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits, targets)
+        zero = logits.sum() * 0.0
+        return zero, (zero if reference is not None else None)
+    ce = F.cross_entropy(logits, targets)
+    if reference is None:
+        return ce, None
+    ref = reference(input_ids, attention_mask, labels)  # [M, V]
+    kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean")
+    return ce, kl
 
 
 @dataclass(frozen=True)
@@ -79,11 +98,16 @@ class LossSettings:
     divergence: str = "kl"
     consistency_weight: float = 1.0
     ar_weight: float = 1.0
+    ar_loss: str = "ce"  # ce | kl (to `reference`, which cllm_loss then needs)
 
 
-def cllm_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings: LossSettings) -> StepOutput:
+def cllm_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings: LossSettings,
+              reference: ReferenceLogits | None = None) -> StepOutput:
     """L = consistency_weight · L_C + ar_weight · L_AR (module docstring) for one TrajectoryCollator batch. The
-    teacher forward runs without gradient, in eval mode (no dropout; 4-bit layers stay trainable)."""
+    teacher forward runs without gradient, in eval mode (no dropout; 4-bit layers stay trainable). With
+    settings.ar_loss == "kl", L_AR is KL(reference ‖ model) on the AR tokens (the CE is still reported)."""
+    if settings.ar_loss == "kl" and reference is None:
+        raise ValueError("ar_loss='kl' needs the original model's logits (reference=)")
     n = _block_size(batch)
     teacher_ids = batch["fixed_ids"] if settings.consistency == "global" else batch["next_ids"]
     with torch.no_grad(), eval_mode(model):
@@ -93,9 +117,12 @@ def cllm_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings: LossSe
     loss = settings.consistency_weight * consistency
     metrics = {"consistency_loss": consistency.detach()}
     if settings.ar_weight:
-        ar = ar_loss(model, batch["ar_input_ids"], batch["ar_attention_mask"], batch["ar_labels"])
-        loss = loss + settings.ar_weight * ar
-        metrics["ar_loss"] = ar.detach()
+        ce, kl = ar_terms(model, batch["ar_input_ids"], batch["ar_attention_mask"], batch["ar_labels"],
+                          reference if settings.ar_loss == "kl" else None)
+        loss = loss + settings.ar_weight * (ce if kl is None else kl)
+        metrics["ar_loss"] = ce.detach()
+        if kl is not None:
+            metrics["ar_kl"] = kl.detach()
     return StepOutput(loss=loss, metrics=metrics)
 
 
@@ -120,6 +147,8 @@ def check_options(cfg: DictConfig) -> None:
         (m.consistency not in CONSISTENCY, f"method.consistency={m.consistency!r}: choose one of {', '.join(CONSISTENCY)}"),
         (m.divergence not in DIVERGENCES, f"method.divergence={m.divergence!r}: choose one of {', '.join(DIVERGENCES)}"),
         (m.ar_source not in AR_SOURCES, f"method.ar_source={m.ar_source!r}: choose one of {', '.join(AR_SOURCES)}"),
+        (m.ar_loss not in AR_LOSSES, f"method.ar_loss={m.ar_loss!r}: choose one of {', '.join(AR_LOSSES)}"),
+        (m.ar_loss == "kl" and not m.ar_weight, "method.ar_loss=kl with method.ar_weight=0 trains no KL term"),
         (m.init not in INITS, f"method.init={m.init!r}: choose one of {', '.join(INITS)}"),
         (m.backbone not in BACKBONES, f"method.backbone={m.backbone!r}: choose one of {', '.join(BACKBONES)}"),
         (m.backbone == "full" and quantized,
@@ -138,9 +167,11 @@ class Method:
         check_options(cfg)
         self.cfg = cfg
         self.m = cfg.method
-        self.settings = LossSettings(self.m.consistency, self.m.divergence, self.m.consistency_weight, self.m.ar_weight)
+        self.settings = LossSettings(self.m.consistency, self.m.divergence, self.m.consistency_weight,
+                                     self.m.ar_weight, self.m.ar_loss)
         self.block_size: int | None = None  # read from the trajectories
         self.reference: dict[str, float] | None = None  # the original model's eval numbers, computed once
+        self.frozen_original: nn.Module | None = None  # ar_loss=kl with full fine-tuning: the KL teacher
 
     def datasets(self, tokenizer: Any) -> SplitTrajectories:
         """Trajectory records split like chat data: data.validation_fraction of them by a seeded hash of the index."""
@@ -167,10 +198,32 @@ class Method:
 
     def build(self, target: nn.Module, tokenizer: Any) -> nn.Module:
         options = BackboneOptions.from_config(self.m, self.cfg.model)
-        return prepare_backbone(target, options)
+        model = prepare_backbone(target, options)
+        if self.m.ar_loss == "kl" and not is_lora(model):  # full fine-tuning: the teacher is a frozen copy
+            self.frozen_original = self.load_original().requires_grad_(False).eval()
+        return model
 
     def forward_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
-        return cllm_loss(model, batch, self.settings)
+        reference = self.reference_logits(model) if self.m.ar_loss == "kl" else None
+        return cllm_loss(model, batch, self.settings, reference)
+
+    def reference_logits(self, model: nn.Module) -> ReferenceLogits:
+        """The original model's AR logits: LoRA -> the same model with adapters disabled (eval semantics, 4-bit
+        layers left trainable); full -> the frozen copy, moved once to the trained model's device."""
+        if is_lora(model):
+            def lora_original(input_ids, attention_mask, labels):
+                with torch.no_grad(), model.disable_adapter(), eval_mode(model):
+                    return scored_logits(model, input_ids, attention_mask, labels)[0]
+            return lora_original
+        original = self.frozen_original
+        device = next(model.parameters()).device
+        if next(original.parameters()).device != device:
+            original.to(device)
+
+        def copy_original(input_ids, attention_mask, labels):
+            with torch.no_grad():
+                return scored_logits(original, input_ids, attention_mask, labels)[0]
+        return copy_original
 
     def param_groups(self, model: nn.Module, learning_rate: float) -> None:
         return None
@@ -178,29 +231,31 @@ class Method:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable, tokenizer: Any, prompts: list[list[int]]) -> dict[str, float]:
         """Consistency and AR losses, AR perplexity and Jacobi tokens per step on the eval prompts, for the trained
-        model and (once) the original one; `jacobi_greedy_match` checks Jacobi output == greedy on the trained one."""
+        model and (once) the original one; `jacobi_greedy_match` checks Jacobi output == greedy on the trained one;
+        with ar_loss=kl also `ar_kl`, the trained model's KL from the original on the held-out AR tokens."""
         with eval_mode(model):
-            metrics = self.quality(model, batches, prompts, check_greedy=True)
+            reference = self.reference_logits(model) if self.m.ar_loss == "kl" else None
+            metrics = self.quality(model, batches, prompts, check_greedy=True, reference=reference)
             if self.reference is None:
-                with original_model(model, self.load_original) as original:
+                with original_model(model, lambda: self.frozen_original or self.load_original()) as original:
                     self.reference = self.quality(original, batches, prompts, check_greedy=False)
         metrics.update({f"original_{k}": v for k, v in self.reference.items()})
         return metrics
 
-    def quality(self, model: nn.Module, batches: Iterable, prompts: list[list[int]], check_greedy: bool
-                ) -> dict[str, float]:
+    def quality(self, model: nn.Module, batches: Iterable, prompts: list[list[int]], check_greedy: bool,
+                reference: ReferenceLogits | None = None) -> dict[str, float]:
         from inference.drafters import NoDrafter
         from inference.generate import DecodeConfig, generate
         from inference.jacobi import JacobiDrafter, JacobiOptions
 
-        sums = {"consistency_loss": 0.0, "ar_loss": 0.0}
+        sums = {"consistency_loss": 0.0, "ar_loss": 0.0} | ({"ar_kl": 0.0} if reference is not None else {})
         count = 0
         device = model.get_input_embeddings().weight.device
         for i, batch in enumerate(batches):
             if self.cfg.eval.max_batches is not None and i >= self.cfg.eval.max_batches:
                 break
             out = cllm_loss(model, {k: v.to(device) for k, v in batch.items()}, LossSettings(
-                self.m.consistency, self.m.divergence, 1.0, 1.0))
+                self.m.consistency, self.m.divergence, 1.0, 1.0, "kl" if reference is not None else "ce"), reference)
             for key in sums:
                 sums[key] += float(out.metrics[key])
             count += 1
@@ -237,7 +292,7 @@ class Method:
 
         return "\n".join([
             f"cllm: consistency loss {get('consistency_loss')} (original {get('original_consistency_loss')}), "
-            f"AR loss {get('ar_loss')}",
+            f"AR loss {get('ar_loss')}" + (f", AR KL to the original {get('ar_kl')}" if self.m.ar_loss == "kl" else ""),
             f"validation perplexity {get('ppl')} (original {get('original_ppl')})",
             f"Jacobi tokens per step {get('jacobi_tokens_per_step')} (original "
             f"{get('original_jacobi_tokens_per_step')}); fraction of eval prompts where Jacobi output == greedy: "
