@@ -24,7 +24,7 @@ import importlib
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.utils.data
 
@@ -68,6 +68,19 @@ class EncodedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         sample = self.samples[i]
         return {"input_ids": sample.input_ids, "labels": sample.labels}
+
+
+def label_counts(dataset: Any, vocab_size: int = 0) -> torch.Tensor:
+    """[max(vocab_size, largest label + 1)] int64: how often each token id is a trained label (not -100) in
+    `dataset` (items with a "labels" list)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i in range(len(dataset)):
+        labels = torch.tensor(dataset[i]["labels"], dtype=torch.int64)
+        found = torch.bincount(labels[labels >= 0], minlength=len(counts))
+        if len(found) > len(counts):
+            counts = torch.cat([counts, counts.new_zeros(len(found) - len(counts))])
+        counts += found
+    return counts
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ one builder and keep this call unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,36 +22,61 @@ from inference.tree import TreeBuffers, load_tree
 from inference.training_free import TRAINING_FREE_DRAFTERS, build_from_spec
 from inference.verify import SamplingParams
 from models.checkpoint import (
-    CONFIG_NAME, CheckpointError, check_compatible, load_drafter, load_drafter_target, read_drafter_config,
+    CONFIG_NAME, CheckpointError, check_compatible, head_vocabulary, load_drafter, load_drafter_target,
+    read_drafter_config,
 )
 from models.loading import load_target
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
 
 
-def _medusa(path: Path, model: torch.nn.Module, tree: Any, topk: int, device: torch.device) -> Drafter:
-    """Heads on the lm_head's device (they read the same final hidden state), the tree on the input `device`."""
+@dataclass(frozen=True)
+class DrafterOptions:
+    """What `load` passes every DRAFTER_BUILDERS entry; a builder refuses, in one line, an option its type lacks."""
+
+    tree: Any = None  # tree drafters: a tree spec (inference.tree.load_tree); draft models: "chain:<n>" etc.
+    topk: int = MEDUSA_TOPK
+    draft_stop: str | None = None  # draft models only (inference.draft_stop)
+    head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
+
+    def refuse(self, drafter_type: str, *names: str) -> None:
+        given = [n for n in names if getattr(self, n) is not None]
+        if given:
+            raise ValueError(f"load: {given[0]}= does not apply to drafter_type {drafter_type!r}")
+
+
+def _medusa(path: Path, model: torch.nn.Module, options: DrafterOptions, device: torch.device) -> Drafter:
+    """Heads on the lm_head's device (they read the same final hidden state), the tree on the input `device`;
+    `head_vocab` keeps the S most frequent tokens of the heads' training data (the checkpoint's token_counts)."""
+    options.refuse("medusa", "draft_stop")
     loaded = load_drafter(path, device=output_device(model), dtype=model.get_input_embeddings().weight.dtype)
     check_compatible(loaded.config, model.config)
-    buffers = load_tree(tree, num_heads=loaded.heads.config.num_heads, topk=topk, device=device)
+    buffers = load_tree(options.tree, num_heads=loaded.heads.config.num_heads, topk=options.topk, device=device)
     base_lm_head = model.get_output_embeddings() if loaded.heads.config.share_lm_head else None
-    return MedusaDrafter(loaded.heads, buffers, base_lm_head)
+    vocab = None if options.head_vocab is None else head_vocabulary(path, options.head_vocab, buffers.topk)
+    return MedusaDrafter(loaded.heads, buffers, base_lm_head, vocab)
 
 
-DRAFTER_BUILDERS: dict[str, Callable[[Path, torch.nn.Module, Any, int, torch.device], Drafter]] = {
+def _draft_model(path: Path, model: torch.nn.Module, options: DrafterOptions, device: torch.device) -> Drafter:
+    options.refuse("draft_model", "head_vocab")
+    return build_draft_model_drafter(path, model, options.tree, options.topk, device, options.draft_stop)
+
+
+DRAFTER_BUILDERS: dict[str, Callable[[Path, torch.nn.Module, DrafterOptions, torch.device], Drafter]] = {
     "medusa": _medusa,
-    "draft_model": build_draft_model_drafter,
+    "draft_model": _draft_model,
 }
 
 
-def _jacobi(path: Path, model: torch.nn.Module, tree: Any, topk: int, device: torch.device) -> Drafter:
+def _jacobi(path: Path, model: torch.nn.Module, options: DrafterOptions, device: torch.device) -> Drafter:
     """A "cllm" checkpoint: the fine-tuned target (its backbone, loaded by `load`) decoded by Jacobi iteration with
     the block size and initialisation it was trained for (config.json "block_size", "init")."""
-    if tree is not None:
+    if options.tree is not None:
         raise ValueError("load: tree= does not apply to Jacobi decoding (its draft is always a chain)")
+    options.refuse("cllm", "draft_stop", "head_vocab")
     config = read_drafter_config(path)
-    options = JacobiOptions(block_size=int(config.get("block_size", DEFAULT_BLOCK_SIZE)), init=config.get("init", "random"))
-    return JacobiDrafter(options, pad_token_id=model.config.pad_token_id or 0)
+    jacobi = JacobiOptions(block_size=int(config.get("block_size", DEFAULT_BLOCK_SIZE)), init=config.get("init", "random"))
+    return JacobiDrafter(jacobi, pad_token_id=model.config.pad_token_id or 0)
 
 
 def _named_jacobi(spec: str, model: torch.nn.Module) -> Drafter:
@@ -148,6 +174,7 @@ def load(
     device_map: Any = None,
     offload_folder: str | Path | None = None,
     draft_stop: str | None = None,
+    head_vocab: int | None = None,
 ) -> Engine:
     """Load a base model and (optionally) a drafter checkpoint into an Engine.
 
@@ -162,13 +189,15 @@ def load(
     dispatch; "disk" entries need `offload_folder`); `device` is then unused: the engine works on the input
     embeddings' device and Medusa heads sit on the lm_head's. `draft_stop` (draft models only: "fixed",
     "confidence:<t>", "learned[:<t>]", see inference.draft_stop) sets when drafting stops; by default a checkpoint's
-    learned stopper is used when it has one."""
+    learned stopper is used when it has one. `head_vocab=S` (Medusa heads only) lets the heads draft only the S
+    tokens most frequent in their training data (the checkpoint's token_counts.safetensors): a cheaper projection,
+    the same lossless verification."""
     config = None
     named = isinstance(drafter_path, str) and drafter_path.partition(":")[0] in NAMED_DRAFTERS
     if named and not Path(drafter_path).exists():
-        if base is None or tree is not None or draft_stop is not None:
-            raise ValueError(f"load: drafter {drafter_path!r} needs base= (the model to decode) and takes no tree= "
-                             f"or draft_stop=")
+        if base is None or tree is not None or draft_stop is not None or head_vocab is not None:
+            raise ValueError(f"load: drafter {drafter_path!r} needs base= (the model to decode) and takes no tree=, "
+                             f"draft_stop= or head_vocab=")
         named_spec, drafter_path = drafter_path, None
     else:
         named_spec = None
@@ -190,6 +219,8 @@ def load(
         raise ValueError("load: tree= needs a tree drafter; pass drafter_path")
     elif draft_stop is not None:
         raise ValueError("load: draft_stop= needs a draft model; pass drafter_path")
+    elif head_vocab is not None:
+        raise ValueError("load: head_vocab= needs Medusa heads; pass drafter_path")
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
@@ -206,10 +237,6 @@ def load(
         return Engine(model, NAMED_DRAFTERS[named_spec.partition(":")[0]](named_spec, model), {"drafter_type": named_spec})
     if config is None:
         return Engine(model, NoDrafter())
-    if draft_stop is not None:
-        if config["drafter_type"] != "draft_model":
-            raise ValueError(f"load: draft_stop= applies to draft models, not drafter_type {config['drafter_type']!r}")
-        drafter = build_draft_model_drafter(drafter_path, model, tree, topk, device, draft_stop)
-    else:
-        drafter = DRAFTER_BUILDERS[config["drafter_type"]](drafter_path, model, tree, topk, device)
+    options = DrafterOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab)
+    drafter = DRAFTER_BUILDERS[config["drafter_type"]](drafter_path, model, options, device)
     return Engine(model, drafter, config)

@@ -221,6 +221,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "questions": str(args.questions), "num_questions": len(questions), "turns": args.turns,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
         "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base, "drafter": session.drafter_name,
+        "head_vocab": args.head_vocab,
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(session.engine.model.dtype).removeprefix("torch."), "device": str(session.engine.device),
         "threads": torch.get_num_threads(), "model_ids": {n: model_ids[n] for n in names},

@@ -63,6 +63,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree)")
     p.add_argument("--draft-stop", help="draft models: when drafting stops each step: fixed | confidence:<t> | "
                                         "learned[:<t>] (default: the checkpoint's stopper if it has one, else fixed)")
+    p.add_argument("--head-vocab", type=int, metavar="S",
+                   help="Medusa heads: draft only from the S tokens most frequent in their training data (the "
+                        "checkpoint's token_counts.safetensors); cheaper heads, same lossless verification")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
                    help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
                         "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
@@ -164,6 +167,14 @@ def open_session(args: argparse.Namespace) -> Session:
         from inference.draft_stop import check_stop_spec
 
         check_stop_spec(args.draft_stop, config is not None and isinstance(config.get("stopper"), dict))
+    if args.head_vocab is not None:  # before any model loads
+        from models.checkpoint import TOKEN_COUNTS_NAME
+
+        if config is None or config.get("drafter_type") != "medusa":
+            raise UsageError(f"--head-vocab applies to Medusa heads checkpoints; --drafter {name} is not one")
+        if not (Path(name) / TOKEN_COUNTS_NAME).is_file():
+            raise UsageError(f"--head-vocab: {Path(name) / TOKEN_COUNTS_NAME} is missing: medusa1/medusa2 write "
+                             f"it; older checkpoints and imported Medusa heads lack it")
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
     if args.offload_folder is not None and args.device_map is None:
@@ -175,6 +186,7 @@ def open_session(args: argparse.Namespace) -> Session:
         device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), tree=args.tree,
         quantization=None if args.quantization == "none" else args.quantization,
         device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
+        head_vocab=args.head_vocab,
     )
     tokenizer_path = args.tokenizer
     if tokenizer_path is None:

@@ -251,7 +251,7 @@ def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, di
 
 def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,
                               draft_stop: str | None = None) -> DraftModelDrafter:
-    """DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
+    """Behind DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
     (a directory or "builtin:<name>") loaded in the target's dtype on `device`, vocabulary checked. `draft_stop`
     (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has one, else "fixed";
     with a stopper and no `tree`, the draft length is the one it was trained for (its traces' max_gamma)."""

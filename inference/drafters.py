@@ -87,7 +87,11 @@ class MedusaDrafter:
 
     needs_hidden = True
 
-    def __init__(self, heads: MedusaHeads, tree: TreeBuffers, base_lm_head: nn.Module | None = None) -> None:
+    def __init__(self, heads: MedusaHeads, tree: TreeBuffers, base_lm_head: nn.Module | None = None,
+                 vocab: torch.Tensor | None = None) -> None:
+        """`vocab` [S] (optional): the only token ids the heads may propose, e.g. the S most frequent in their
+        training data (checkpoint token_counts): the projections then read S of the V columns. Lossless: the target
+        verifies as before; a token outside the shortlist is simply never drafted."""
         if tree.max_depth > len(heads.heads):
             raise ValueError(f"tree depth {tree.max_depth} exceeds the drafter's {len(heads.heads)} heads")
         if tree.topk > heads.config.vocab_size:  # topk over the vocabulary would fail at the first step
@@ -95,10 +99,20 @@ class MedusaDrafter:
                             f"{heads.config.vocab_size} tokens")
         if heads.config.share_lm_head and base_lm_head is None:
             raise ValueError("these Medusa heads share the base lm_head (shared_lm_head format); pass base_lm_head")
+        if vocab is not None:
+            vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
+            if not tree.topk <= len(vocab) <= heads.config.vocab_size or len(vocab.unique()) != len(vocab):
+                raise ValueError(f"head vocabulary: {len(vocab)} ids (distinct?) for top-{tree.topk} trees over a "
+                                 f"vocabulary of {heads.config.vocab_size}; need top-k <= S <= V, distinct ids")
+            if int(vocab.min()) < 0 or int(vocab.max()) >= heads.config.vocab_size:
+                raise ValueError(f"head vocabulary: ids must lie in [0, {heads.config.vocab_size})")
         self.heads = heads
         self.tree = tree
         self.base_lm_head = base_lm_head
-        self.stacked = StackedHeads.build(heads, tree.max_depth)  # None: per-head calls
+        self.vocab = vocab  # [S] or None
+        self.stacked = StackedHeads.build(heads, tree.max_depth, vocab)  # None: per-head calls
+        self._vocab_copies: dict[torch.device, torch.Tensor] = {}  # `vocab` on each device it was needed on
+        self._rows: tuple[int, torch.Tensor] | None = None  # (shared lm_head data_ptr, its shortlisted rows [S, D])
 
     def candidates(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, D] -> top-R token ids of each head the tree uses, [B, H * R] head-major, on the heads' device
@@ -111,19 +125,39 @@ class MedusaDrafter:
         if self.heads.config.share_lm_head:  # one call: the shared D x V weight is read once for all heads
             weight = self.base_lm_head.weight  # on "meta" when offloaded: its accelerate hook moves the input itself
             device = head_h.device if weight.device.type == "meta" else weight.device
-            logits = self.base_lm_head(head_h.to(device, weight.dtype))  # [H, B, V]
-        elif stacked:  # one batched matmul over the heads' D x V weights
-            logits = torch.bmm(head_h, stacked.projection)  # [H, B, D] x [H, D, V] -> [H, B, V]
+            if self.vocab is not None and weight.device.type != "meta":
+                logits = F.linear(head_h.to(device, weight.dtype), self._shortlisted_rows(weight))  # [H, B, S]
+            else:
+                logits = self.base_lm_head(head_h.to(device, weight.dtype))  # [H, B, V]
+                if self.vocab is not None:
+                    logits = logits.index_select(-1, self._vocab_on(logits.device))  # [H, B, S]
+        elif stacked:  # one batched matmul over the heads' D x V (or D x S) weights
+            logits = torch.bmm(head_h, stacked.projection)  # [H, B, D] x [H, D, V|S] -> [H, B, V|S]
         else:
             logits = torch.stack([head.lm_head(x) for head, x in zip(used, head_h)])  # [H, B, V]
-        top = logits.topk(self.tree.topk, dim=-1).indices  # [H, B, R]
+            if self.vocab is not None:
+                logits = logits.index_select(-1, self._vocab_on(logits.device))  # [H, B, S]
+        top = logits.topk(self.tree.topk, dim=-1).indices  # [H, B, R], positions in V or in the shortlist
+        if self.vocab is not None:
+            top = self._vocab_on(top.device)[top]  # shortlist positions -> token ids
         return top.permute(1, 0, 2).reshape(hidden.shape[0], -1)
+
+    def _vocab_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._vocab_copies:
+            self._vocab_copies[device] = self.vocab.to(device)
+        return self._vocab_copies[device]
+
+    def _shortlisted_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The shared lm_head's rows for the shortlist, [S, D], copied once (re-taken if the weight moved)."""
+        if self._rows is None or self._rows[0] != weight.data_ptr():
+            self._rows = (weight.data_ptr(), weight.detach().index_select(0, self._vocab_on(weight.device)))
+        return self._rows[1]
 
     def _current_stack(self) -> StackedHeads | None:
         """The stacks, re-built if the heads were moved or cast after this drafter was built (their parameters are
         then no longer views of the stacks)."""
         if self.stacked is not None and not self.stacked.is_current(self.heads):
-            self.stacked = StackedHeads.build(self.heads, self.tree.max_depth)
+            self.stacked = StackedHeads.build(self.heads, self.tree.max_depth, self.vocab)
         return self.stacked
 
     def propose(self, state: DecodeState) -> Draft:
@@ -154,9 +188,10 @@ class StackedHeads:
     first: int  # data_ptr of head 0's first stacked parameter: changes when the heads are moved or cast
 
     @staticmethod
-    def build(heads: MedusaHeads, depth: int) -> StackedHeads | None:
+    def build(heads: MedusaHeads, depth: int, vocab: torch.Tensor | None = None) -> StackedHeads | None:
         """None when fewer than 2 heads are used, or their parameters differ in device or dtype, or are offloaded
-        (meta): the per-head path handles those."""
+        (meta): the per-head path handles those. With `vocab` [S], `projection` is a contiguous [H, D, S] copy of
+        the shortlisted columns (the heads' own parameters keep the full V)."""
         used = heads.heads[:depth]
         params = [p for head in used for p in head.parameters()]
         if len(used) < 2 or not params:
@@ -172,7 +207,9 @@ class StackedHeads:
         projection = None
         if not heads.config.share_lm_head:
             projection = _stack_views([head.lm_head for head in used], "weight", lambda w: w.t(), lambda s: s.t())
-        first = (weights[0] if weights else projection).data_ptr()
+            if vocab is not None:
+                projection = projection.index_select(2, vocab.to(projection.device)).contiguous()  # [H, D, S]
+        first = (weights[0] if weights else used[0].lm_head.weight).data_ptr()
         return StackedHeads(weights, biases, projection, first)
 
     def is_current(self, heads: MedusaHeads) -> bool:

@@ -3,6 +3,8 @@
 A drafter checkpoint is a directory:
     config.json            {"drafter_type", "draftsmith_version", "base_model_name_or_path", ...type-specific keys}
     drafter.safetensors    the drafter's weights (safetensors only: no pickle)
+    token_counts.safetensors  optional (Medusa trainers write it): "counts" [V], how often each token was a trained
+                           label in the training data; `load(head_vocab=S)` drafts from the S most frequent
     tokenizer files        when a tokenizer was given
     README.md              model card (base model, method, data, steps, metrics, command)
     draft/                 drafter_type "draft_model": the draft causal LM (`save_pretrained`), config.json
@@ -35,6 +37,7 @@ from models.medusa import MedusaConfig, MedusaHeads
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "drafter.safetensors"
+TOKEN_COUNTS_NAME = "token_counts.safetensors"
 HEAD_FORMATS = {False: "per_head_lm_head", True: "shared_lm_head"}
 BACKBONE_DIRS = {"lora_adapter": "adapter", "merged": "backbone"}  # config.json "backbone.format" -> subfolder
 DRAFT_MODEL_DIR = "draft"  # drafter_type "draft_model": the draft causal LM's subfolder
@@ -92,10 +95,11 @@ def save_drafter(
     tokenizer: Any = None,
     extra: dict[str, Any] | None = None,
     backbone: BackboneWriter | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> Path:
     """Write `heads` as a draftsmith checkpoint at `output_dir`, atomically. `extra` lands in config.json under
-    "training" and feeds the model card; `backbone` (Medusa-2) adds the fine-tuned backbone's subfolder. Returns the
-    checkpoint path."""
+    "training" and feeds the model card; `backbone` (Medusa-2) adds the fine-tuned backbone's subfolder;
+    `token_counts` [V] (training label frequencies) becomes token_counts.safetensors. Returns the checkpoint path."""
     output_dir = Path(output_dir)
     config = {
         **medusa_config_dict(heads.config),
@@ -111,8 +115,15 @@ def save_drafter(
     if bad:
         raise CheckpointError(f"{output_dir}: refusing to save non-finite weights ({', '.join(bad[:3])})")
 
+    if token_counts is not None and token_counts.shape != (heads.config.vocab_size,):
+        raise CheckpointError(f"{output_dir}: token_counts has shape {tuple(token_counts.shape)}, expected "
+                              f"({heads.config.vocab_size},)")
+
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "drafter_type": "medusa"})
+        if token_counts is not None:
+            save_file({"counts": token_counts.detach().to("cpu", torch.int64).contiguous()},
+                      str(tmp / TOKEN_COUNTS_NAME), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         if backbone is not None:
@@ -251,6 +262,24 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dt
     heads.to(device=device, dtype=dtype)
     heads.eval().requires_grad_(False)
     return LoadedDrafter(config=config, heads=heads)
+
+
+def head_vocabulary(path: str | os.PathLike, size: int, topk: int) -> torch.Tensor:
+    """The `size` token ids most frequent in the checkpoint's token_counts.safetensors, [size] most frequent first
+    (ties by id); one clear line when the file is missing or `size` does not fit the vocabulary or the tree's top-k."""
+    file = Path(path) / TOKEN_COUNTS_NAME
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; head_vocab needs the training data's token counts (medusa1/medusa2 "
+                              f"write them; older checkpoints and imported Medusa heads lack them)")
+    try:
+        counts = load_file(str(file))["counts"]
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"{file}: unreadable token counts ({e})") from None
+    if not topk <= size <= len(counts):
+        raise CheckpointError(f"head_vocab={size}: choose between the tree's top-k ({topk}) and the vocabulary size "
+                              f"({len(counts)})")
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices  # most frequent first, ties by id
+    return order[:size]
 
 
 def check_compatible(drafter_config: dict[str, Any], base_config: Any) -> None:
@@ -397,7 +426,7 @@ def model_card(config: dict[str, Any]) -> str:
         "",
         "```python",
         "from inference import load",
-        f"engine = load('<this directory>')",
+        "engine = load('<this directory>')",
         "```",
         "",
     ]

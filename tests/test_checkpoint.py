@@ -11,6 +11,7 @@ from models.checkpoint import (
     CheckpointError,
     DrafterMismatchError,
     check_compatible,
+    head_vocabulary,
     load_drafter,
     read_drafter_config,
     save_drafter,
@@ -102,3 +103,20 @@ def test_check_compatible():
         check_compatible(config, LlamaConfig(hidden_size=16, vocab_size=11, num_attention_heads=2))
     with pytest.raises(DrafterMismatchError, match="vocab_size"):
         check_compatible(config, LlamaConfig(hidden_size=8, vocab_size=12, num_attention_heads=2))
+
+
+def test_token_counts_give_the_head_vocabulary(tmp_path):
+    heads = random_heads()
+    counts = torch.tensor([0, 5, 2, 9, 5, 0, 1, 0, 0, 3, 0])
+    save_drafter(tmp_path / "ckpt", heads, "org/base", token_counts=counts)
+    assert head_vocabulary(tmp_path / "ckpt", 4, topk=2).tolist() == [3, 1, 4, 9]  # most frequent first, ties by id
+    with pytest.raises(CheckpointError, match="head_vocab=12"):
+        head_vocabulary(tmp_path / "ckpt", 12, topk=2)
+    with pytest.raises(CheckpointError, match="head_vocab=1"):
+        head_vocabulary(tmp_path / "ckpt", 1, topk=2)
+    save_drafter(tmp_path / "plain", heads, "org/base")
+    with pytest.raises(CheckpointError, match="token_counts.safetensors: missing"):
+        head_vocabulary(tmp_path / "plain", 4, topk=2)
+    with pytest.raises(CheckpointError, match="expected \\(11,\\)"):
+        save_drafter(tmp_path / "bad", heads, "org/base", token_counts=counts[:5])
+    assert not (tmp_path / "bad").exists()

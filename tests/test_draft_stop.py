@@ -216,7 +216,9 @@ def test_draft_stop_is_refused_where_it_does_not_apply(stopper_run):
     target, out, _ = stopper_run
     with pytest.raises(ValueError, match="draft_stop= needs a draft model"):
         load(base=str(target), dtype="fp32", draft_stop="fixed")
-    with pytest.raises(ValueError, match="takes no tree= or draft_stop="):
+    with pytest.raises(ValueError, match="takes no tree=, draft_stop= or head_vocab="):
         load("prompt_lookup", base=str(target), dtype="fp32", draft_stop="fixed")
     with pytest.raises(StopSpecError, match="has no stopper"):
         load(str(out / "draft"), base=str(target), dtype="fp32", draft_stop="learned")
+    with pytest.raises(ValueError, match="head_vocab= does not apply to drafter_type 'draft_model'"):
+        load(out, dtype="fp32", head_vocab=8)

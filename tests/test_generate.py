@@ -305,3 +305,38 @@ def test_api_load_serves_a_saved_checkpoint(tmp_path, tiny_lm_factory):
         load(ckpt, dtype="fp32")
     with pytest.raises(ValueError, match="tree= needs a tree drafter"):
         load(base=str(base_dir), tree="chain")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_head_vocabulary_shortlist_is_lossless(tiny_lm_factory, shared):
+    """A shortlist [S] restricts candidates to its ids and equals the heads' own top-k over those columns; the full
+    vocabulary (any order) gives the unrestricted candidates; decoding stays equal to plain greedy (batched)."""
+    model = tiny_lm_factory("llama")
+    torch.manual_seed(21)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=VOCAB, share_lm_head=shared))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    lm_head = model.get_output_embeddings()
+    tree = load_tree(None, num_heads=3, topk=10)
+    base = lm_head if shared else None
+    hidden = torch.randn(2, 32)
+    full = MedusaDrafter(heads, tree, base).candidates(hidden)
+    everything = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(MedusaDrafter(heads, tree, base, everything).candidates(hidden), full)
+    vocab = everything[: VOCAB // 3]
+    short = MedusaDrafter(heads, tree, base, vocab)
+    got = short.candidates(hidden).view(2, 3, tree.topk)  # [B, H, R]
+    logits = heads(hidden[:, None], lm_head)[:, :, 0][..., vocab]  # [H, B, S]
+    want = vocab[logits.topk(tree.topk, dim=-1).indices].permute(1, 0, 2)
+    assert torch.equal(got, want)
+    assert torch.isin(got, vocab).all()
+    prompts = random_prompts(31, 3)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = generate(model, ids, short, DecodeConfig(max_new_tokens=12), attention_mask=mask)
+    assert out.sequences == [plain_greedy(model, p, 12) for p in prompts]
+    with pytest.raises(ValueError, match="top-k <= S"):
+        MedusaDrafter(heads, tree, base, vocab[:5])
+    with pytest.raises(ValueError, match="distinct"):
+        MedusaDrafter(heads, tree, base, torch.cat([vocab, vocab[:1]]))

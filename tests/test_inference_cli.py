@@ -185,7 +185,8 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
         generate_json(capsys, "--base", assets["model"], *args)["token_ids"]
 
 
-@pytest.mark.parametrize("case", ["temperature", "tree", "drafter", "chat", "questions", "question_line", "source"])
+@pytest.mark.parametrize("case", ["temperature", "tree", "drafter", "chat", "questions", "question_line", "source",
+                                  "head_vocab", "head_vocab_type"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -200,6 +201,9 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "questions": (("bench", "--drafter", assets["ckpt"], "--questions", tmp_path / "missing.jsonl"), "missing"),
         "question_line": (("bench", "--drafter", assets["ckpt"], "--questions", bad_questions), "q.jsonl:2"),
         "source": (("build-tree", "--drafter", assets["ckpt"], "--source", "oracle"), "--source"),
+        "head_vocab": ((*gen, "--prompt", "x", "--head-vocab", "8"), "token_counts.safetensors is missing"),
+        "head_vocab_type": (("generate", "--drafter", "jacobi", "--base", assets["model"], "--prompt", "x",
+                             "--head-vocab", "8"), "--head-vocab applies to Medusa heads"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

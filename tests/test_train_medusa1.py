@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.checkpoint import load_drafter
+from models.checkpoint import head_vocabulary, load_drafter
 from tests.model_support import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +62,21 @@ def test_few_steps_write_a_loadable_checkpoint(tiny_model_dir, sharegpt_file, tm
     assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
     # The heads trained: they moved away from the zero-initialised residual blocks.
     assert any(b.linear.weight.abs().sum() > 0 for h in loaded.heads.heads for b in h.blocks)
+    # The train split's label frequencies ship with the heads and serve a shortlisted, still exact, engine.
+    from safetensors.torch import load_file
+
+    from inference import NoDrafter, load
+
+    counts = load_file(str(out / "token_counts.safetensors"))["counts"]
+    assert counts.shape == (loaded.config["vocab_size"],) and counts.sum() > 0
+    engine = load(out, dtype="fp32", head_vocab=12)
+    assert engine.drafter.vocab.tolist() == head_vocabulary(out, 12, topk=engine.drafter.tree.topk).tolist()
+    assert all(counts[t] > 0 for t in engine.drafter.vocab[:5].tolist())
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    plain = load(None, base=str(tiny_model_dir), dtype="fp32")
+    assert (engine.generate(prompts, max_new_tokens=8, ignore_eos=True).sequences
+            == plain.generate(prompts, max_new_tokens=8, ignore_eos=True).sequences)
+    assert isinstance(plain.drafter, NoDrafter)
 
 
 def test_nf4_backbone(tiny_model_dir, sharegpt_file, tmp_path):

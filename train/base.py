@@ -72,6 +72,14 @@ class ProvidesData(Protocol):
 
 
 @runtime_checkable
+class CountsLabels(Protocol):
+    """A method whose checkpoint records how often each token is a trained label in its train split (Medusa heads:
+    inference's head_vocab shortlist). Called once with the final train dataset, before `build`."""
+
+    def count_labels(self, dataset: Any) -> None: ...
+
+
+@runtime_checkable
 class Standalone(Protocol):
     """A method that runs its own loop (e.g. the stopper's trace collection and L-BFGS fit), not the HF Trainer."""
 
@@ -401,6 +409,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
             train=self_distilled_train(cfg, target, tokenizer, args, output_dir / SELF_DISTILL_FILE),
             validation=datasets.validation,  # ground truth: the validation rows keep meaning "the data's answers"
         )
+    if isinstance(method, CountsLabels):
+        method.count_labels(datasets.train)
     model = method.build(target, tokenizer)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_val = len(datasets.validation) if datasets.validation is not None else 0

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
 
+from data.datasets import label_counts
 from models.backbone import final_hidden
 from models.checkpoint import load_drafter, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
@@ -105,6 +106,17 @@ class Method:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.m = cfg.method
+        self.label_counts: torch.Tensor | None = None  # [<= V] from count_labels; saved as token_counts [V]
+
+    def count_labels(self, dataset: Any) -> None:
+        """Token frequencies of the train labels, stored with the heads (inference: load(head_vocab=S))."""
+        self.label_counts = label_counts(dataset)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor | None:
+        if self.label_counts is None:
+            return None
+        counts = self.label_counts[:vocab_size]
+        return torch.cat([counts, counts.new_zeros(vocab_size - len(counts))])
 
     def build(self, target: nn.Module, tokenizer: Any) -> MedusaTrainModule:
         lm_head = target.get_output_embeddings()
@@ -180,7 +192,8 @@ class Method:
         return "\n".join(rows)
 
     def save(self, model: MedusaTrainModule, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None:
-        save_drafter(output_dir, model.heads, self.cfg.model.path, tokenizer=tokenizer, extra=extra)
+        save_drafter(output_dir, model.heads, self.cfg.model.path, tokenizer=tokenizer, extra=extra,
+                     token_counts=self.token_counts(model.heads.config.vocab_size))
 
     def load(self, model: MedusaTrainModule, checkpoint_dir: Path) -> None:
         loaded = load_drafter(checkpoint_dir)

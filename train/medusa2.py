@@ -240,7 +240,8 @@ class Method(medusa1.Method, TrainerCallback):
         final = Path(output_dir).resolve() == Path(self.cfg.output_dir).resolve()
         load_base = (lambda: self.load_original(None)) if final and self.m.merge_adapter else None
         writer = backbone_writer(model.target, tokenizer, load_base)
-        save_drafter(output_dir, model.heads, self.cfg.model.path, tokenizer=tokenizer, extra=extra, backbone=writer)
+        save_drafter(output_dir, model.heads, self.cfg.model.path, tokenizer=tokenizer, extra=extra, backbone=writer,
+                     token_counts=self.token_counts(model.heads.config.vocab_size))
 
     def load(self, model: Medusa2TrainModule, checkpoint_dir: Path) -> None:
         super().load(model, checkpoint_dir)
