@@ -29,7 +29,7 @@ import torch.utils.data
 
 from data.chat import IGNORE_INDEX
 
-AR_SOURCES = ("ground_truth", "target_output")
+AR_SOURCES = ("ground_truth", "target_output", "both")  # both: one row of each per item (ground truth first)
 RECORD_START = b'{"id": '  # json.dumps of a record dict starts so (its first key is "id")
 
 
@@ -171,7 +171,8 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 class TrajectoryDataset(torch.utils.data.Dataset):
     """One item per (record, block, state before the fixed point): the block's prefix, that state, the next state,
     the fixed point, and the AR sequence (`ar_source`: the dataset's reply, or the target's own greedy answer =
-    the concatenated fixed points; labels on the answer only)."""
+    the concatenated fixed points; labels on the answer only). With `both`, ar_ids/ar_labels hold the reply and
+    ar_self_ids/ar_self_labels the target's answer (a record without a reply has only the latter, as ar_ids)."""
 
     def __init__(self, records: Sequence[dict[str, Any]], ar_source: str = "target_output") -> None:
         if ar_source not in AR_SOURCES:
@@ -190,21 +191,24 @@ class TrajectoryDataset(torch.utils.data.Dataset):
         states = record["blocks"][j]["states"]
         fixed = [list(b["states"][-1]) for b in record["blocks"]]
         prefix = record["prompt_ids"] + [t for f in fixed[:j] for t in f]
-        if self.ar_source == "ground_truth" and record["answer_ids"]:
-            ar_ids, ar_labels = record["answer_ids"], record["answer_labels"]
-        else:
-            answer = [t for f in fixed for t in f]
-            ar_ids = record["prompt_ids"] + answer
-            ar_labels = [IGNORE_INDEX] * len(record["prompt_ids"]) + answer
-        return {"prefix": prefix, "state": states[k], "next_state": states[min(k + 1, len(states) - 1)],
-                "fixed_point": states[-1], "ar_ids": ar_ids, "ar_labels": ar_labels}
+        answer = [t for f in fixed for t in f]
+        own = (record["prompt_ids"] + answer, [IGNORE_INDEX] * len(record["prompt_ids"]) + answer)
+        truth = (record["answer_ids"], record["answer_labels"]) if record["answer_ids"] else None
+        item = {"prefix": prefix, "state": states[k], "next_state": states[min(k + 1, len(states) - 1)],
+                "fixed_point": states[-1]}
+        first = own if self.ar_source == "target_output" or truth is None else truth
+        item["ar_ids"], item["ar_labels"] = first
+        if self.ar_source == "both" and truth is not None:
+            item["ar_self_ids"], item["ar_self_labels"] = own
+        return item
 
 
 @dataclass(frozen=True)
 class TrajectoryCollator:
     """Right-padded LongTensors: input_ids = prefix + state, next_ids = prefix + next state, fixed_ids = prefix +
     fixed point (all [B, T], sharing attention_mask), block_start [B] = prefix lengths; ar_input_ids /
-    ar_attention_mask / ar_labels [B, T'] for the AR term."""
+    ar_attention_mask / ar_labels [B + B', T'] for the AR term: every item's AR row, then the B' second rows
+    (ar_source=both)."""
 
     pad_token_id: int
 
@@ -217,15 +221,17 @@ class TrajectoryCollator:
         if len(lengths) != 1:
             raise ValueError(f"one batch mixes block sizes {sorted(lengths)}; collect with a single --block-size")
         seq = {key: [it["prefix"] + it[key] for it in items] for key in ("state", "next_state", "fixed_point")}
+        ar_ids = [it["ar_ids"] for it in items] + [it["ar_self_ids"] for it in items if "ar_self_ids" in it]
+        ar_labels = [it["ar_labels"] for it in items] + [it["ar_self_labels"] for it in items if "ar_self_ids" in it]
         return {
             "input_ids": pad(seq["state"], self.pad_token_id),
             "next_ids": pad(seq["next_state"], self.pad_token_id),
             "fixed_ids": pad(seq["fixed_point"], self.pad_token_id),
             "attention_mask": pad([[1] * len(s) for s in seq["state"]], 0),
             "block_start": torch.tensor([len(it["prefix"]) for it in items]),
-            "ar_input_ids": pad([it["ar_ids"] for it in items], self.pad_token_id),
-            "ar_attention_mask": pad([[1] * len(it["ar_ids"]) for it in items], 0),
-            "ar_labels": pad([it["ar_labels"] for it in items], IGNORE_INDEX),
+            "ar_input_ids": pad(ar_ids, self.pad_token_id),
+            "ar_attention_mask": pad([[1] * len(ids) for ids in ar_ids], 0),
+            "ar_labels": pad(ar_labels, IGNORE_INDEX),
         }
 
 

@@ -59,6 +59,12 @@ def test_dataset_items_follow_the_record():
     assert item["ar_labels"] == [IGNORE_INDEX] * 3 + [10, 11, 12, 13, 20, 21, 22, 23]
     truth = TrajectoryDataset(RECORDS, "ground_truth")[0]
     assert truth["ar_ids"] == [1, 5, 7, 9, 9] and truth["ar_labels"] == [IGNORE_INDEX] * 3 + [9, 9]
+    both = TrajectoryDataset(RECORDS, "both")
+    assert both[2]["ar_ids"] == [1, 5, 7, 9, 9] and both[2]["ar_self_ids"] == item["ar_ids"]
+    assert both[2]["ar_self_labels"] == item["ar_labels"]
+    batch = TrajectoryCollator(pad_token_id=0)([both[0], both[2], both[3]])  # 3 items -> 3 reply rows + 3 own rows
+    assert batch["input_ids"].shape[0] == 3 and batch["ar_input_ids"].shape[0] == 6
+    assert batch["ar_labels"][3].tolist()[: len(both[0]["ar_self_labels"])] == both[0]["ar_self_labels"]
 
 
 def naive_cllm(model, items, settings: LossSettings) -> torch.Tensor:

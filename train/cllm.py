@@ -10,9 +10,10 @@ a block it predicts the block's fixed point y* in one iteration. Per sample (pre
 θ⁻ is the same model without gradient (detached teacher logits). D is forward KL (`divergence=kl`) or the
 cross-entropy to the teacher distribution (`soft_ce`: same gradient, without the teacher's entropy). Both are
 averaged over the B·N block tokens. L_AR is next-token CE on the target's own greedy answer (`ar_source=
-target_output`: the concatenated fixed points) or the data's reply (`ground_truth`); with `ar_loss=kl` it is instead
-KL(p_orig ‖ p_θ) on those tokens, p_orig the model before training (LoRA: adapters disabled; full: a frozen copy
-loaded once), which holds the whole next-token distribution where it was, not just its argmax. Trajectories come from
+target_output`: the concatenated fixed points), the data's reply (`ground_truth`), or both rows pooled (`both`);
+with `ar_loss=kl` it is instead KL(p_orig ‖ p_θ) on those tokens, p_orig the model before training (LoRA: adapters
+disabled; full: a frozen copy loaded once), which holds the whole next-token distribution where it was, not just
+its argmax. Trajectories come from
 `python -m data.jacobi`; data.validation_fraction / data.seed hold out records for evaluation, and the `data`
 config's validation prompts (eval.greedy_prompts) measure Jacobi tokens per step before/after training.
 Dimension letters: B batch, T time, N block size, V vocab, D hidden.

@@ -143,7 +143,7 @@ class CllmConfig:
     consistency: str = "global"  # global: any state -> fixed point | local: each state -> the next one
     divergence: str = "kl"  # kl: forward KL(teacher ‖ model) | soft_ce: cross-entropy to the teacher distribution
     consistency_weight: float = 1.0
-    ar_source: str = "target_output"  # target_output: the target's greedy answer | ground_truth: the data's reply
+    ar_source: str = "target_output"  # target_output: the target's greedy answer | ground_truth: the data's reply | both
     ar_weight: float = 1.0  # 0 skips the AR term
     ar_loss: str = "ce"  # ce: next-token CE | kl: KL(original model ‖ trained) on the same tokens (full: frozen copy)
     backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
