@@ -95,6 +95,15 @@ def test_tree_greedy_equals_plain_greedy(tiny_lm, tree_spec):
     assert sum(accepted) / len(accepted) > 0.5  # the oracle's drafts were accepted: the test exercised acceptance
 
 
+def normal_heads(shared: bool, seed: int) -> MedusaHeads:
+    """3 heads of 1 block over the tiny models' hidden size, every parameter ~ N(0, 0.2²): distinct, confident picks."""
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=VOCAB, share_lm_head=shared))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return heads
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_medusa_heads_greedy_equals_plain_greedy(tiny_lm_factory, seed):
     for arch in ("llama", "qwen2", "mistral"):
@@ -110,10 +119,7 @@ def test_medusa_candidates_are_the_heads_top_k(tiny_lm_factory, shared):
     """Drafting at one position equals MedusaHeads.forward there (head k at the root's parent -> depth k nodes);
     shared-lm_head heads go through the base lm_head in one call."""
     model = tiny_lm_factory("llama")
-    torch.manual_seed(12)
-    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=VOCAB, share_lm_head=shared))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    heads = normal_heads(shared, seed=12)
     lm_head = model.get_output_embeddings()
     tree = load_tree([(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 1), (0, 0, 2)], num_heads=3, topk=10)
     drafter = MedusaDrafter(heads, tree, lm_head if shared else None)
@@ -312,10 +318,7 @@ def test_head_vocabulary_shortlist_is_lossless(tiny_lm_factory, shared):
     """A shortlist [S] restricts candidates to its ids and equals the heads' own top-k over those columns; the full
     vocabulary (any order) gives the unrestricted candidates; decoding stays equal to plain greedy (batched)."""
     model = tiny_lm_factory("llama")
-    torch.manual_seed(21)
-    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=VOCAB, share_lm_head=shared))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    heads = normal_heads(shared, seed=21)
     lm_head = model.get_output_embeddings()
     tree = load_tree(None, num_heads=3, topk=10)
     base = lm_head if shared else None
