@@ -70,17 +70,11 @@ class EncodedDataset(torch.utils.data.Dataset):
         return {"input_ids": sample.input_ids, "labels": sample.labels}
 
 
-def label_counts(dataset: Any, vocab_size: int = 0) -> torch.Tensor:
-    """[max(vocab_size, largest label + 1)] int64: how often each token id is a trained label (not -100) in
-    `dataset` (items with a "labels" list)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for i in range(len(dataset)):
-        labels = torch.tensor(dataset[i]["labels"], dtype=torch.int64)
-        found = torch.bincount(labels[labels >= 0], minlength=len(counts))
-        if len(found) > len(counts):
-            counts = torch.cat([counts, counts.new_zeros(len(found) - len(counts))])
-        counts += found
-    return counts
+def label_counts(dataset: Any) -> torch.Tensor:
+    """[largest label + 1] int64: how often each token id is a trained label (not -100) in `dataset` (items with a
+    "labels" list)."""
+    labels = torch.tensor([t for i in range(len(dataset)) for t in dataset[i]["labels"]], dtype=torch.int64)
+    return torch.bincount(labels[labels != IGNORE_INDEX])
 
 
 @dataclass(frozen=True)

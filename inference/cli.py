@@ -168,13 +168,11 @@ def open_session(args: argparse.Namespace) -> Session:
 
         check_stop_spec(args.draft_stop, config is not None and isinstance(config.get("stopper"), dict))
     if args.head_vocab is not None:  # before any model loads
-        from models.checkpoint import TOKEN_COUNTS_NAME
+        from models.checkpoint import read_token_counts
 
         if config is None or config.get("drafter_type") != "medusa":
             raise UsageError(f"--head-vocab applies to Medusa heads checkpoints; --drafter {name} is not one")
-        if not (Path(name) / TOKEN_COUNTS_NAME).is_file():
-            raise UsageError(f"--head-vocab: {Path(name) / TOKEN_COUNTS_NAME} is missing: medusa1/medusa2 write "
-                             f"it; older checkpoints and imported Medusa heads lack it")
+        read_token_counts(name)  # raises CheckpointError naming the missing or unreadable file
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
     if args.offload_folder is not None and args.device_map is None:

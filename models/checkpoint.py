@@ -264,17 +264,22 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dt
     return LoadedDrafter(config=config, heads=heads)
 
 
-def head_vocabulary(path: str | os.PathLike, size: int, topk: int) -> torch.Tensor:
-    """The `size` token ids most frequent in the checkpoint's token_counts.safetensors, [size] most frequent first
-    (ties by id); one clear line when the file is missing or `size` does not fit the vocabulary or the tree's top-k."""
+def read_token_counts(path: str | os.PathLike) -> torch.Tensor:
+    """The checkpoint's token_counts.safetensors "counts" [V]; one clear line when it is missing or unreadable."""
     file = Path(path) / TOKEN_COUNTS_NAME
     if not file.is_file():
         raise CheckpointError(f"{file}: missing; head_vocab needs the training data's token counts (medusa1/medusa2 "
                               f"write them; older checkpoints and imported Medusa heads lack them)")
     try:
-        counts = load_file(str(file))["counts"]
+        return load_file(str(file))["counts"]
     except (SafetensorError, OSError, KeyError) as e:
         raise CheckpointError(f"{file}: unreadable token counts ({e})") from None
+
+
+def head_vocabulary(path: str | os.PathLike, size: int, topk: int) -> torch.Tensor:
+    """The `size` token ids most frequent in the checkpoint's token counts, [size] most frequent first (ties by id);
+    one clear line when the counts are missing or `size` does not fit the vocabulary or the tree's top-k."""
+    counts = read_token_counts(path)
     if not topk <= size <= len(counts):
         raise CheckpointError(f"head_vocab={size}: choose between the tree's top-k ({topk}) and the vocabulary size "
                               f"({len(counts)})")

@@ -144,3 +144,10 @@ def test_shared_gsm8k(tok):
     sample = splits.train[0]
     trained = tok.decode([t for t, y in zip(sample["input_ids"], sample["labels"]) if y != IGNORE_INDEX])
     assert trained.endswith("#### 72<|end|>")
+
+
+def test_label_counts_count_trained_labels_only():
+    from data.datasets import label_counts
+
+    dataset = [{"labels": [-100, 3, 3, 1]}, {"labels": [1, -100, 0]}]
+    assert label_counts(dataset).tolist() == [1, 2, 0, 2]

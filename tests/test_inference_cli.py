@@ -201,7 +201,7 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "questions": (("bench", "--drafter", assets["ckpt"], "--questions", tmp_path / "missing.jsonl"), "missing"),
         "question_line": (("bench", "--drafter", assets["ckpt"], "--questions", bad_questions), "q.jsonl:2"),
         "source": (("build-tree", "--drafter", assets["ckpt"], "--source", "oracle"), "--source"),
-        "head_vocab": ((*gen, "--prompt", "x", "--head-vocab", "8"), "token_counts.safetensors is missing"),
+        "head_vocab": ((*gen, "--prompt", "x", "--head-vocab", "8"), "token_counts.safetensors: missing"),
         "head_vocab_type": (("generate", "--drafter", "jacobi", "--base", assets["model"], "--prompt", "x",
                              "--head-vocab", "8"), "--head-vocab applies to Medusa heads"),
     }[case]
