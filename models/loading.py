@@ -1,7 +1,8 @@
 """Loading a target model and its tokenizer: hub id, local directory, or a built-in tiny model.
 
-"builtin:<name>" names a model that draftsmith builds itself, offline (see models.tiny); every other string goes
-to `from_pretrained` unchanged, so built-in and hub models share one code path.
+"builtin:<name>" names a model that draftsmith provides itself: the tiny models it builds offline (models.tiny) and the
+SmolLM2-135M-Instruct chat model it converts from a GGUF once (models.smollm2); every other string goes to
+`from_pretrained` unchanged, so built-in and hub models share one code path.
 """
 
 from __future__ import annotations
@@ -51,12 +52,22 @@ def model_settings(name: str) -> dict[str, Any]:
     return {"path": str(model.path), "dtype": model.get("dtype"), "chat_template": model.get("chat_template")}
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map "builtin:<name>" to the directory of the built model (building it on first use)."""
-    if name_or_path.startswith(BUILTIN_PREFIX):
-        from models.tiny import ensure_built
+    """Map "builtin:<name>" to the directory of that model: the tiny models are built on first use (models.tiny),
+    SmolLM2 is found in the hub cache or converted once from its GGUF (models.smollm2)."""
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX):]
+    from models import smollm2, tiny  # deferred: building/converting pulls in the trainer and gguf reader
 
-        return str(ensure_built(name_or_path[len(BUILTIN_PREFIX):]))
-    return name_or_path
+    if name == smollm2.NAME:
+        try:
+            return str(smollm2.ensure_smollm2())
+        except smollm2.SourceUnavailable as e:
+            raise ModelLoadError(str(e)) from None
+    if name not in tiny.BUILTIN_MODELS:
+        choices = ", ".join(BUILTIN_PREFIX + n for n in (*tiny.BUILTIN_MODELS, smollm2.NAME))
+        raise ModelLoadError(f"unknown built-in model {name_or_path!r}; choose one of {choices}")
+    return str(tiny.ensure_built(name))
 
 
 def _check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:

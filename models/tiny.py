@@ -16,13 +16,9 @@ Shape letters: B batch, T time, V vocab.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -31,9 +27,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
+
 BUILTIN_MODELS = ("tiny", "tiny-draft")
 TOKENIZER_DIR = "tokenizer"
-COMPLETE_MARKER = ".draftsmith-complete"
 FORMAT_VERSION = 2  # 2: recipe of session 2 (smaller batches, more steps); older builds are rebuilt
 MAX_CHAT_TOKENS = 2048  # longer conversations are truncated before packing
 
@@ -126,28 +123,6 @@ class BuildInfo:
     format_version: int = FORMAT_VERSION
 
 
-def cache_root() -> Path:
-    env = os.environ.get("DRAFTSMITH_CACHE")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("draftsmith"))
-
-
-def is_complete(path: Path, format_version: int | None = None) -> bool:
-    """Whether `path` holds a finished build (of `format_version`, when given: older recipes are rebuilt)."""
-    marker = Path(path) / COMPLETE_MARKER
-    if not marker.is_file():
-        return False
-    if format_version is None:
-        return True
-    try:
-        return json.loads(marker.read_text()).get("format_version") == format_version
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def ensure_built(name: str, progress: bool = True, cache_dir: Path | None = None, force: bool = False) -> Path:
     """Directory of the built model `name`, building it (and the shared tokenizer) first when missing.
 
@@ -160,9 +135,9 @@ def ensure_built(name: str, progress: bool = True, cache_dir: Path | None = None
     if is_complete(target, FORMAT_VERSION) and not force:
         return target
     tokenizer_dir = ensure_tokenizer(models_dir / TOKENIZER_DIR, progress=progress)
-    with _build_lock(models_dir, name):
+    with build_lock(models_dir, name):
         if force or not is_complete(target, FORMAT_VERSION):  # another process may have finished it while we waited
-            with _atomic_dir(target) as tmp:
+            with atomic_dir(target, FORMAT_VERSION) as tmp:
                 build(name, tmp, tokenizer_dir, progress=progress)
     return target
 
@@ -174,9 +149,9 @@ def ensure_tokenizer(
     path = Path(path)
     if is_complete(path) and not force:
         return path
-    with _build_lock(path.parent, path.name):
+    with build_lock(path.parent, path.name):
         if force or not is_complete(path):
-            with _atomic_dir(path) as tmp:
+            with atomic_dir(path, FORMAT_VERSION) as tmp:
                 build_tokenizer(tmp, spec, progress=progress)
     return path
 
@@ -432,44 +407,6 @@ def _capped(documents: Iterator[str], max_chars: int | None) -> list[str]:
         kept.append(doc)
         total += len(doc)
     return kept
-
-
-@contextlib.contextmanager
-def _atomic_dir(target: Path) -> Iterator[Path]:
-    """Yield an empty temp dir beside `target`; on success mark it complete and swap it in (replacing `target`)."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
-    try:
-        yield tmp
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"format_version": FORMAT_VERSION}) + "\n")
-        if target.exists():  # --force rebuild or a stale incomplete dir: move it aside, then drop it
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
-            os.replace(target, old / target.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _build_lock(directory: Path, name: str) -> Iterator[None]:
-    """Exclusive inter-process lock for building `name` (no-op where fcntl is unavailable)."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # Windows: concurrent builds are wasted work, not corruption (os.replace is atomic)
-        yield
-        return
-    with open(Path(directory) / f".{name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _check_name(name: str) -> None:

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data.chat import IGNORE_INDEX, encode_chat
 from models import tiny
-from models.tiny import COMPLETE_MARKER, TinySpec, TokenizerSpec
+from models.buildcache import COMPLETE_MARKER
+from models.tiny import TinySpec, TokenizerSpec
 
 MINI = TinySpec(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -21,7 +22,7 @@ MAX_CONVERSATIONS = 24
 
 def _mini_build(models_dir, name="tiny"):
     tokenizer_dir = tiny.ensure_tokenizer(models_dir / tiny.TOKENIZER_DIR, MINI_TOKENIZER, progress=False)
-    with tiny._atomic_dir(models_dir / name) as tmp:
+    with tiny.atomic_dir(models_dir / name, tiny.FORMAT_VERSION) as tmp:
         tiny.build(name, tmp, tokenizer_dir, spec=MINI, progress=False, max_conversations=MAX_CONVERSATIONS)
     return models_dir / name
 
@@ -90,7 +91,7 @@ def test_ensure_built_reuses_a_complete_build(built, monkeypatch):
 def test_failed_build_leaves_no_partial_directory(tmp_path):
     target = tmp_path / "models" / "tiny"
     with pytest.raises(RuntimeError, match="boom"):
-        with tiny._atomic_dir(target) as tmp:
+        with tiny.atomic_dir(target, tiny.FORMAT_VERSION) as tmp:
             (tmp / "half-written").write_text("x")
             raise RuntimeError("boom")
     assert not target.exists() and list(target.parent.iterdir()) == []

@@ -1,0 +1,72 @@
+"""The cache of models draftsmith makes itself (built-in tiny models, converted GGUF checkpoints).
+
+Root: $DRAFTSMITH_CACHE, else platformdirs.user_cache_dir("draftsmith"). A directory is complete iff it holds
+COMPLETE_MARKER: it is written in a sibling temp dir and moved in with os.replace, so readers never see half a build.
+Builds of one name are serialised with a lock file beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+COMPLETE_MARKER = ".draftsmith-complete"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("DRAFTSMITH_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("draftsmith"))
+
+
+def is_complete(path: Path, format_version: int | None = None) -> bool:
+    """Whether `path` holds a finished build (of `format_version`, when given: older recipes are rebuilt)."""
+    marker = Path(path) / COMPLETE_MARKER
+    if not marker.is_file():
+        return False
+    if format_version is None:
+        return True
+    try:
+        return json.loads(marker.read_text()).get("format_version") == format_version
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path, format_version: int) -> Iterator[Path]:
+    """Yield an empty temp dir beside `target`; on success mark it complete (with `format_version`) and swap it in,
+    replacing `target`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    try:
+        yield tmp
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"format_version": format_version}) + "\n")
+        if target.exists():  # --force rebuild or a stale incomplete dir: move it aside, then drop it
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
+            os.replace(target, old / target.name)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, name: str) -> Iterator[None]:
+    """Exclusive inter-process lock for building `name` in `directory`."""
+    from filelock import FileLock  # a dependency of huggingface_hub, hence of transformers
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with FileLock(str(Path(directory) / f".{name}.lock")):
+        yield
