@@ -94,11 +94,14 @@ class MedusaDrafter:
         verifies as before; a token outside the shortlist is simply never drafted."""
         if tree.max_depth > len(heads.heads):
             raise ValueError(f"tree depth {tree.max_depth} exceeds the drafter's {len(heads.heads)} heads")
-        if tree.topk > heads.config.vocab_size:  # topk over the vocabulary would fail at the first step
-            raise TreeError(f"tree uses top-{tree.topk} candidates per head, but the vocabulary has only "
-                            f"{heads.config.vocab_size} tokens")
+        if tree.topk > heads.config.out_size:  # topk over the vocabulary would fail at the first step
+            raise TreeError(f"tree uses top-{tree.topk} candidates per head, but the heads predict over only "
+                            f"{heads.config.out_size} tokens")
         if heads.config.share_lm_head and base_lm_head is None:
             raise ValueError("these Medusa heads share the base lm_head (shared_lm_head format); pass base_lm_head")
+        if vocab is not None and heads.vocab_ids is not None:
+            raise ValueError(f"head vocabulary: these heads were trained with a draft vocabulary of "
+                             f"{heads.config.draft_vocab_size} tokens; a serving shortlist does not apply")
         if vocab is not None:
             vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
             if not tree.topk <= len(vocab) <= heads.config.vocab_size or len(vocab.unique()) != len(vocab):
@@ -109,7 +112,10 @@ class MedusaDrafter:
         self.heads = heads
         self.tree = tree
         self.base_lm_head = base_lm_head
-        self.vocab = vocab  # [S] or None
+        # [S] or None: the ids the heads' logit columns stand for. A trained draft vocabulary's own projections
+        # already have S columns; a serving shortlist selects S of their V columns (`select_columns`).
+        self.select_columns = vocab is not None
+        self.vocab = heads.vocab_ids if heads.vocab_ids is not None else vocab
         self.stacked = StackedHeads.build(heads, tree.max_depth, vocab)  # None: per-head calls
         self._vocab_copies: dict[torch.device, torch.Tensor] = {}  # `vocab` on each device it was needed on
         self._rows: tuple[int, torch.Tensor] | None = None  # (shared lm_head data_ptr, its shortlisted rows [S, D])
@@ -134,8 +140,8 @@ class MedusaDrafter:
         elif stacked:  # one batched matmul over the heads' D x V (or D x S) weights
             logits = torch.bmm(head_h, stacked.projection)  # [H, B, D] x [H, D, V|S] -> [H, B, V|S]
         else:
-            logits = torch.stack([head.lm_head(x) for head, x in zip(used, head_h)])  # [H, B, V]
-            if self.vocab is not None:
+            logits = torch.stack([head.lm_head(x) for head, x in zip(used, head_h)])  # [H, B, V|S]
+            if self.select_columns:
                 logits = logits.index_select(-1, self._vocab_on(logits.device))  # [H, B, S]
         top = logits.topk(self.tree.topk, dim=-1).indices  # [H, B, R], positions in V or in the shortlist
         if self.vocab is not None:
@@ -157,7 +163,8 @@ class MedusaDrafter:
         """The stacks, re-built if the heads were moved or cast after this drafter was built (their parameters are
         then no longer views of the stacks)."""
         if self.stacked is not None and not self.stacked.is_current(self.heads):
-            self.stacked = StackedHeads.build(self.heads, self.tree.max_depth, self.vocab)
+            self.stacked = StackedHeads.build(self.heads, self.tree.max_depth,
+                                              self.vocab if self.select_columns else None)
         return self.stacked
 
     def propose(self, state: DecodeState) -> Draft:

@@ -85,6 +85,7 @@ def medusa_config_dict(config: MedusaConfig) -> dict[str, Any]:
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "head_format": HEAD_FORMATS[config.share_lm_head],
+        **({} if config.draft_vocab_size is None else {"draft_vocab_size": config.draft_vocab_size}),
     }
 
 
@@ -243,9 +244,12 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dt
             hidden_size=int(config["hidden_size"]),
             vocab_size=int(config["vocab_size"]),
             share_lm_head=config.get("head_format", HEAD_FORMATS[False]) == HEAD_FORMATS[True],
+            draft_vocab_size=None if config.get("draft_vocab_size") is None else int(config["draft_vocab_size"]),
         )
     except KeyError as e:
         raise CheckpointError(f"{path / CONFIG_NAME}: missing key {e.args[0]!r}") from None
+    except ValueError as e:  # a key out of range (MedusaConfig's checks)
+        raise CheckpointError(f"{path / CONFIG_NAME}: {e}") from None
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
         raise CheckpointError(f"{weights}: missing")
@@ -283,7 +287,13 @@ def head_vocabulary(path: str | os.PathLike, size: int, topk: int) -> torch.Tens
     if not topk <= size <= len(counts):
         raise CheckpointError(f"head_vocab={size}: choose between the tree's top-k ({topk}) and the vocabulary size "
                               f"({len(counts)})")
-    order = torch.sort(-counts.to(torch.int64), stable=True).indices  # most frequent first, ties by id
+    return most_frequent(counts, size)
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """counts [V] -> the `size` most frequent ids [size], most frequent first, ties by id (the order the draft
+    vocabulary of training and the head_vocab shortlist of serving share)."""
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices
     return order[:size]
 
 

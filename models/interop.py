@@ -342,6 +342,10 @@ def export_vllm(src: str | os.PathLike, dst: str | os.PathLike, base_model: str 
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst}: destination must differ from the source directory")
     loaded = load_drafter(src, dtype=stored_dtype(src))
+    if loaded.heads.vocab_ids is not None:  # vLLM's truncated vocabulary assumes ids [0, S), not a frequency shortlist
+        raise CheckpointError(f"{src}: heads with a draft vocabulary (draft_vocab_size="
+                              f"{loaded.heads.config.draft_vocab_size}) have no vLLM layout; train without "
+                              f"method.draft_vocab to export")
     base = base_model or loaded.config.get("base_model_name_or_path")
     base_lm_head = None
     if loaded.heads.config.share_lm_head:

@@ -156,3 +156,28 @@ def test_self_distillation_trains_on_the_targets_own_greedy_answers(tiny_model_d
                   "training.resume_from_checkpoint=auto")
     assert_ok(again)
     assert f"0 answers generated, {len(rows)} reused" in again.stdout + again.stderr
+
+
+def test_draft_vocabulary_trains_on_the_most_frequent_labels(tiny_model_dir, sharegpt_file, tmp_path):
+    """method.draft_vocab=S: the heads predict over the S most frequent train labels, ship them, and serve exactly."""
+    out = tmp_path / "draft_vocab"
+    result = train(tiny_model_dir, sharegpt_file, out, "method.draft_vocab=24", "method.share_lm_head=true")
+    assert_ok(result)
+    loaded = load_drafter(out)
+    from safetensors.torch import load_file
+
+    from inference import load
+    from models.checkpoint import most_frequent
+
+    counts = load_file(str(out / "token_counts.safetensors"))["counts"]
+    assert loaded.config["draft_vocab_size"] == 24
+    assert loaded.heads.vocab_ids.tolist() == most_frequent(counts, 24).tolist()
+    assert 0 < loaded.config["training"]["metrics"]["eval_head1_top5"] <= 1
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    engine = load(out, dtype="fp32")
+    plain = load(None, base=str(tiny_model_dir), dtype="fp32")
+    assert (engine.generate(prompts, max_new_tokens=8, ignore_eos=True).sequences
+            == plain.generate(prompts, max_new_tokens=8, ignore_eos=True).sequences)
+    too_big = train(tiny_model_dir, sharegpt_file, tmp_path / "too_big", "method.draft_vocab=100000")
+    assert too_big.returncode != 0 and "method.draft_vocab=100000" in too_big.stderr
+    assert "Traceback" not in too_big.stderr

@@ -136,7 +136,7 @@ def check_values(cfg: DictConfig) -> None:
         if value not in allowed:
             shown = ", ".join("null" if a is None else a for a in allowed)
             raise UsageError(f"{key}={value}: choose one of {shown}")
-    for key, low in (("method.num_heads", 1), ("method.num_layers", 0)):
+    for key, low in (("method.num_heads", 1), ("method.num_layers", 0), ("method.draft_vocab", 1)):
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:
             raise UsageError(f"{key}={value}: must be >= {low}")

@@ -102,6 +102,9 @@ class Medusa1Config:
     decay: float = 0.8  # λ: head k's loss is weighted λ^k; 1.0 gives the original repository's plain sum
     share_lm_head: bool = False  # reuse the frozen base lm_head ("Medusa v2" layout) instead of one per head
     init_from_lm_head: bool = True  # start each head's projection as a copy of the base lm_head
+    # S: heads predict over the S most frequent train-label tokens (EAGLE-3's draft vocabulary); null: all V.
+    # On a 32k-150k vocabulary the heads' V x D projections cost more than a small target itself.
+    draft_vocab: Optional[int] = None
 
 
 @dataclass
@@ -114,6 +117,7 @@ class Medusa2Config:
     decay: float = 0.8  # λ
     share_lm_head: bool = False
     init_from_lm_head: bool = True
+    draft_vocab: Optional[int] = None  # S: heads over the S most frequent train-label tokens; null: all V
     init_heads: Optional[str] = None  # start from the heads of a medusa1/medusa2 checkpoint (its structure wins)
     heads_warmup_steps: int = 0  # stage 1 in the same run: heads only, Medusa-1 loss, backbone frozen
     backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full

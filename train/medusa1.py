@@ -18,9 +18,10 @@ from torch.nn import functional as F
 
 from data.datasets import label_counts
 from models.backbone import final_hidden
-from models.checkpoint import load_drafter, save_drafter
+from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
 from train.base import StepOutput
+from train.cli import UsageError
 from train.distributed import gathered
 
 TOPK = (1, 5)
@@ -50,18 +51,21 @@ def medusa_loss(
     decay: float,
     lm_head: nn.Module | None = None,
 ) -> StepOutput:
-    """Σ_k λ^k · CE_k over positions whose head-k target is a trained token.
+    """Σ_k λ^k · CE_k over positions whose head-k target is a trained token (inside the draft vocabulary, if any).
 
     hidden [B, T, D], labels [B, T] unshifted (-100 = untrained). Only positions where some head has a target are
     projected onto the vocabulary, so padding and prompt tokens cost nothing.
     """
     K = heads.config.num_heads
-    targets = torch.stack([head_targets(labels, k) for k in range(1, K + 1)])  # [K, B, T]
+    full = torch.stack([head_targets(labels, k) for k in range(1, K + 1)])  # [K, B, T] full token ids
+    targets = heads.draft_targets(full)  # [K, B, T] indices into the heads' logits; outside a draft vocabulary: -100
     keep = (targets != -100).any(0)  # [B, T]
     h = hidden[keep]  # [N, D]
     targets = targets[:, keep]  # [K, N]
     loss = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
+    if heads.config.draft_vocab_size is not None:  # share of the targets the draft vocabulary can express at all
+        metrics["draft_vocab_coverage"] = (targets != -100).sum() / (full != -100).sum().clamp(min=1)
     for k in range(K):
         logits = heads.head_logits(k, h, lm_head).float()  # [N, V]
         valid = targets[k] != -100
@@ -121,18 +125,30 @@ class Method:
     def build(self, target: nn.Module, tokenizer: Any) -> MedusaTrainModule:
         lm_head = target.get_output_embeddings()
         with gathered([lm_head.weight]):  # ZeRO-3 loads the target partitioned: read the full lm_head (all ranks)
+            vocab_size = lm_head.weight.shape[0]
             config = MedusaConfig(
                 num_heads=self.m.num_heads,
                 num_layers=self.m.num_layers,
                 hidden_size=target.config.get_text_config().hidden_size,
-                vocab_size=lm_head.weight.shape[0],
+                vocab_size=vocab_size,
                 share_lm_head=self.m.share_lm_head,
+                draft_vocab_size=self._draft_vocab_size(vocab_size),
             )
             heads = MedusaHeads(config)
+            if config.draft_vocab_size is not None:  # the S most frequent train labels (count_labels ran first)
+                heads.set_draft_vocab(most_frequent(self.token_counts(vocab_size), config.draft_vocab_size))
             if self.m.init_from_lm_head and not config.share_lm_head:
                 heads.init_from_base(lm_head)
         target.requires_grad_(False).eval()
         return MedusaTrainModule(target, heads.float())
+
+    def _draft_vocab_size(self, vocab_size: int) -> int | None:
+        size = self.m.get("draft_vocab")
+        if size is not None and size > vocab_size:
+            raise UsageError(f"method.draft_vocab={size}: the target's vocabulary has only {vocab_size} tokens")
+        if size is not None and self.label_counts is None:
+            raise UsageError("method.draft_vocab needs the training labels' token counts (count_labels)")
+        return size
 
     def forward_loss(self, model: MedusaTrainModule, batch: dict[str, torch.Tensor]) -> StepOutput:
         model.target.eval()  # Trainer calls model.train(); the frozen backbone keeps eval semantics (no dropout)
@@ -171,7 +187,9 @@ class Method:
         shared = lm_head if model.heads.config.share_lm_head else None
         for k in range(model.heads.config.num_heads):
             logits = model.heads.head_logits(k, hidden, shared).float()  # [B, T, V]
-            counter.add(f"{prefix}head{k + 1}", logits, head_targets(labels, k + 1))
+            # a target outside a draft vocabulary maps to S, which no top-k index equals: it counts as a miss
+            targets = model.heads.draft_targets(head_targets(labels, k + 1), missing=logits.shape[-1])
+            counter.add(f"{prefix}head{k + 1}", logits, targets)
 
     def param_groups(self, model: MedusaTrainModule, learning_rate: float) -> None:
         return None  # heads only: HF Trainer's default single group
