@@ -4,7 +4,8 @@ Methods, run in turn on every question (rotating which goes first, after a warm-
     drafter  the engine with the chosen drafter
     ar       the same engine loop with NoDrafter (plain greedy / sampling, one token per target forward)
     hf       Hugging Face `model.generate` on the same model object
-Questions are MT-bench / Spec-Bench records {question_id, category, turns}. Multi-turn (--turns all) feeds each method
+Questions are MT-bench / Spec-Bench records {question_id, category, turns}, or named prompt sets
+(inference.prompt_sets: mt_bench, gsm8k, humaneval). Multi-turn (--turns all) feeds each method
 its own previous answer. Each method's answers are written in the Medusa / Spec-Bench answer format
 ({question_id, category, answer_id, model_id, choices: [{index, turns, new_tokens, idxs, wall_time, accept_lengths}],
 tstamp}); idxs = target forwards per turn (prefill included), accept_lengths = tokens committed per decoding step.
@@ -36,17 +37,10 @@ from inference.cli import (UsageError, add_model_args, add_sampling_args, check_
                            open_session)
 from inference.devices import input_device
 from inference.drafters import NoDrafter
+from inference.prompt_sets import DEFAULT_QUESTIONS, PROMPT_SETS, Question, load_questions
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"  # ../shared
 BASELINES = ("ar", "hf")
 WARMUP_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class Question:
-    question_id: Any
-    category: str
-    turns: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -55,34 +49,6 @@ class Sampling:
     top_k: int
     top_p: float
     acceptance: str
-
-
-def read_questions(path: str | os.PathLike) -> list[Question]:
-    """MT-bench / Spec-Bench question.jsonl; errors name the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: question file not found (expected JSONL of {{question_id, category, turns}}; "
-                         "pass --questions)")
-    questions = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or "question_id" not in record:
-            raise UsageError(f"{path}:{lineno}: expected an object with 'question_id', 'category', 'turns'")
-        turns = record.get("turns")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise UsageError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
-        category = record.get("category", "default")
-        if not isinstance(category, str):
-            raise UsageError(f"{path}:{lineno}: 'category' must be a string")
-        questions.append(Question(record["question_id"], category, tuple(turns)))
-    if not questions:
-        raise UsageError(f"{path}: no questions")
-    return questions
 
 
 class EngineRunner:
@@ -169,8 +135,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] + " Greedy by default; answers + summary.json land in --out."
     add_model_args(p)
     add_sampling_args(p, max_new_tokens=256)
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="question JSONL (default: MT-bench, "
-                   "../shared/data/mt_bench/question.jsonl next to the repository)")
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS),
+                   help=f"question JSONL, or a comma list of prompt sets {', '.join(PROMPT_SETS)} with optional "
+                        f"counts (mt_bench,gsm8k:40,humaneval:40: the first N of each) read from $DRAFTSMITH_DATA "
+                        f"(default: ../shared/data next to the repository); default: all of mt_bench")
     p.add_argument("--turns", choices=("first", "all"), default="first",
                    help="all: later turns see the method's own previous answers")
     p.add_argument("--limit", type=int, help="only the first N questions")
@@ -201,7 +169,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'draftsmith[plots]'") from None
-    questions = read_questions(args.questions)[: args.limit]
+    questions, prompt_sets = load_questions(args.questions)
+    questions = questions[: args.limit]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     session = open_session(args)
@@ -218,7 +187,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     answers = run_all(session, runners, questions, args)
     summary = summarize(answers, names[0], greedy=args.temperature == 0)
     summary["config"] = {
-        "questions": str(args.questions), "num_questions": len(questions), "turns": args.turns,
+        "questions": str(args.questions), "prompt_sets": prompt_sets, "num_questions": len(questions),
+        "turns": args.turns,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
         "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base, "drafter": session.drafter_name,
         "head_vocab": args.head_vocab,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.bench import read_questions
+from inference.prompt_sets import read_questions
 from inference.benchstats import Answer, TurnResult, summarize
 from inference.cli import UsageError, main
 from inference.drafters import NoDrafter
