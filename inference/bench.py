@@ -1,21 +1,29 @@
 """`python -m inference bench`: speed of a drafter against plain decoding of the same model, measured in one run.
 
-Methods, run in turn on every question (rotating which goes first, after a warm-up, so background load hits all alike):
-    drafter  the engine with the chosen drafter
-    ar       the same engine loop with NoDrafter (plain greedy / sampling, one token per target forward)
-    hf       Hugging Face `model.generate` on the same model object
-Questions are MT-bench / Spec-Bench records {question_id, category, turns}. Multi-turn (--turns all) feeds each method
-its own previous answer. Each method's answers are written in the Medusa / Spec-Bench answer format
-({question_id, category, answer_id, model_id, choices: [{index, turns, new_tokens, idxs, wall_time, accept_lengths}],
-tstamp}); idxs = target forwards per turn (prefill included), accept_lengths = tokens committed per decoding step.
+Methods (inference.bench_methods), run in turn on every question (rotating which goes first, after a warm-up, so
+background load hits all alike):
+    drafter      the engine with the chosen drafter
+    ar           the same engine loop with NoDrafter (plain greedy / sampling, one token per target forward)
+    hf           Hugging Face `model.generate` on the same model object
+    hf_pld       HF prompt lookup decoding, `generate(prompt_lookup_num_tokens=N)` (greedy only)
+    hf_assisted  HF assisted generation with the same draft model as our draft-model drafter (greedy only)
+Questions are MT-bench / Spec-Bench records {question_id, category, turns}, or named prompt sets
+(inference.prompt_sets: mt_bench, gsm8k, humaneval). Multi-turn (--turns all) feeds each method its own previous
+answer. Each method's answers are written in the Medusa / Spec-Bench answer format ({question_id, category,
+answer_id, model_id, choices: [{index, turns, new_tokens, idxs, wall_time, accept_lengths}], tstamp}); idxs = target
+forwards per turn (prefill included), accept_lengths = tokens committed per decoding step (engine methods and hf).
 
 Summary definitions:
     tau                new tokens / target forwards (1.0 for plain decoding)
-    speedup            tokens/s of the main method / tokens/s of a baseline (ar, else hf)
+    speedup            tokens/s of the main method / tokens/s of a baseline, one per baseline
     ideal speedup      tau x t_AR_step / t_tree_forward: the speedup if drafting, verification and cache surgery were
                        free (t_AR_step: mean wall time of one plain step; t_tree_forward: mean target forward over
                        the draft tree)
     engine efficiency  speedup vs ar / ideal speedup
+    greedy identity    each method's turns against ar's (else hf's): identical, near_tie (a float64 rerun of the
+                       target shows the differing tokens nearly tied, inference.near_tie) or mismatch
+    bandwidth floor    weight bytes / measured copy bandwidth: the least time a plain step can take
+                       (inference.bandwidth)
 """
 
 from __future__ import annotations
@@ -23,111 +31,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-from inference.benchstats import Answer, TurnResult, format_table, summarize
-from inference.cli import (UsageError, add_model_args, add_sampling_args, check_sampling, encode_messages,
-                           open_session)
-from inference.devices import input_device
-from inference.drafters import NoDrafter
+from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
+                                     build_runners, pld_defaults)
+from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
+from inference.cli import (UsageError, add_model_args, add_sampling_args, check_sampling, checkpoint_config,
+                           encode_messages, open_session)
+from inference.near_tie import DEFAULT_TIE_TOL
+from inference.prompt_sets import DEFAULT_QUESTIONS, PROMPT_SETS, Question, load_questions
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"  # ../shared
-BASELINES = ("ar", "hf")
 WARMUP_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class Question:
-    question_id: Any
-    category: str
-    turns: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_k: int
-    top_p: float
-    acceptance: str
-
-
-def read_questions(path: str | os.PathLike) -> list[Question]:
-    """MT-bench / Spec-Bench question.jsonl; errors name the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: question file not found (expected JSONL of {{question_id, category, turns}}; "
-                         "pass --questions)")
-    questions = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or "question_id" not in record:
-            raise UsageError(f"{path}:{lineno}: expected an object with 'question_id', 'category', 'turns'")
-        turns = record.get("turns")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise UsageError(f"{path}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
-        category = record.get("category", "default")
-        if not isinstance(category, str):
-            raise UsageError(f"{path}:{lineno}: 'category' must be a string")
-        questions.append(Question(record["question_id"], category, tuple(turns)))
-    if not questions:
-        raise UsageError(f"{path}: no questions")
-    return questions
-
-
-class EngineRunner:
-    """A method that decodes with an inference Engine (drafter or NoDrafter)."""
-
-    def __init__(self, engine: Any, sampling: Sampling) -> None:
-        self.engine, self.sampling = engine, sampling
-
-    def __call__(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnResult:
-        s = self.sampling
-        start = time.perf_counter()
-        out = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=s.temperature,
-                                   top_k=s.top_k, top_p=s.top_p, acceptance=s.acceptance, seed=seed)
-        wall = time.perf_counter() - start
-        stats = out.stats
-        return TurnResult(tuple(out.sequences[0]), "", wall, stats.target_forwards,
-                          tuple(step[0] for step in stats.accepted), stats.times)
-
-
-class HFRunner:
-    """Hugging Face `generate` on the target (greedy at temperature 0, else sampling with the same filters)."""
-
-    def __init__(self, model: torch.nn.Module, eos_ids: Sequence[int], pad_id: int | None, sampling: Sampling) -> None:
-        self.model, self.eos_ids, self.pad_id, self.sampling = model, list(eos_ids), pad_id, sampling
-
-    def __call__(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnResult:
-        s = self.sampling
-        ids = torch.tensor([prompt_ids], device=input_device(self.model))
-        kwargs: dict[str, Any] = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-        if s.temperature > 0:
-            kwargs = {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k or None, "top_p": s.top_p}
-            torch.manual_seed(seed)
-        start = time.perf_counter()
-        out = self.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=None,
-            eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id, **kwargs,
-        )
-        tokens = out[0, len(prompt_ids):].tolist()
-        wall = time.perf_counter() - start
-        end = next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
-        tokens = tokens[:end]
-        return TurnResult(tuple(tokens), "", wall, len(tokens), (0,) * max(len(tokens) - 1, 0), None)
-
-
-Runner = Callable[[list[int], int, int], TurnResult]
+PROGRESS_INTERVAL_S = 10.0  # a progress line at least this often when stderr is not a terminal
 
 
 def answer(runner: Runner, question: Question, num_turns: int, encode: Callable, decode: Callable,
@@ -137,11 +58,12 @@ def answer(runner: Runner, question: Question, num_turns: int, encode: Callable,
     turns = []
     for j, user in enumerate(question.turns[:num_turns]):
         messages.append({"role": "user", "content": user})
-        result = runner(encode(messages), max_new_tokens, seed + j)
+        prompt = encode(messages)
+        result = runner(prompt, max_new_tokens, seed + j)
         text = decode(result.tokens).strip()
         messages.append({"role": "assistant", "content": text})
         turns.append(TurnResult(result.tokens, text, result.wall_time, result.target_forwards, result.accepted,
-                                result.times))
+                                result.times, tuple(prompt)))
     return Answer(question.question_id, question.category, tuple(turns))
 
 
@@ -169,14 +91,27 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] + " Greedy by default; answers + summary.json land in --out."
     add_model_args(p)
     add_sampling_args(p, max_new_tokens=256)
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="question JSONL (default: MT-bench, "
-                   "../shared/data/mt_bench/question.jsonl next to the repository)")
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS),
+                   help=f"question JSONL, or a comma list of prompt sets {', '.join(PROMPT_SETS)} with optional "
+                        f"counts (mt_bench,gsm8k:40,humaneval:40: the first N of each) read from $DRAFTSMITH_DATA "
+                        f"(default: ../shared/data next to the repository); default: all of mt_bench")
     p.add_argument("--turns", choices=("first", "all"), default="first",
                    help="all: later turns see the method's own previous answers")
     p.add_argument("--limit", type=int, help="only the first N questions")
     p.add_argument("--out", default="bench_results", help="folder for <model_id>.jsonl answers and summary.json")
     p.add_argument("--model-id", help="model_id of the main method's answers (default: from the drafter / base)")
-    p.add_argument("--baselines", default="ar,hf", help="comma list of ar (our loop, NoDrafter), hf (HF generate)")
+    p.add_argument("--baselines", default="ar,hf",
+                   help="comma list of ar (our loop, NoDrafter), hf (HF generate), hf_pld (HF prompt lookup "
+                        "decoding), hf_assisted (HF assisted generation with the draft model); the last two are "
+                        "greedy only")
+    p.add_argument("--pld-tokens", type=int, metavar="N",
+                   help="hf_pld: prompt_lookup_num_tokens (default: our prompt_lookup drafter's draft length)")
+    p.add_argument("--assistant", metavar="PATH",
+                   help="hf_assisted: the draft model (causal LM dir, builtin:<name> or draft_model checkpoint) "
+                        "when --drafter is not one")
+    p.add_argument("--tie-tol", type=float, default=DEFAULT_TIE_TOL,
+                   help="greedy identity: a differing token is a near-tie when its float64 logit is within this "
+                        "relative gap of the reference token's (default %(default)s; see inference.near_tie)")
     p.add_argument("--baseline-only", action="store_true", help="run only the baselines (no drafter)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method before timing")
     p.add_argument("--plot", metavar="DIR", help="write head_accuracy.png, accept_hist.png, bench_summary.png")
@@ -187,11 +122,40 @@ def _slug(name: str) -> str:
     return Path(name.rstrip("/")).name.replace(":", "-") or "model"
 
 
-def run_bench_command(args: argparse.Namespace) -> int:
+def is_draft_model(name: str | None) -> bool:
+    """A plain causal LM (dir or builtin:<name>) or a draftsmith draft_model checkpoint."""
+    from inference.draft_model import is_plain_model
+
+    if not name:
+        return False
+    return is_plain_model(name) or (checkpoint_config(name) or {}).get("drafter_type") == "draft_model"
+
+
+def check_bench_args(args: argparse.Namespace) -> list[str]:
+    """Everything about the bench options that can fail before a model loads; returns the baselines."""
     check_sampling(args)
     baselines = [b for b in args.baselines.split(",") if b]
     if any(b not in BASELINES for b in baselines) or len(set(baselines)) != len(baselines):
         raise UsageError(f"--baselines {args.baselines!r}: a comma list of distinct names from {', '.join(BASELINES)}")
+    greedy_only = [b for b in baselines if b in GREEDY_ONLY]
+    if greedy_only and args.temperature > 0:
+        raise UsageError(f"--baselines {greedy_only[0]} is greedy only; drop it or use --temperature 0")
+    if args.pld_tokens is not None and ("hf_pld" not in baselines or args.pld_tokens < 1):
+        raise UsageError(f"--pld-tokens {args.pld_tokens}: needs hf_pld in --baselines and a value >= 1")
+    if args.assistant is not None:
+        if "hf_assisted" not in baselines:
+            raise UsageError("--assistant applies to --baselines hf_assisted")
+        if is_draft_model(args.drafter):
+            raise UsageError(f"--assistant: --drafter {args.drafter} is a draft model already and hf_assisted "
+                             f"uses it; drop --assistant")
+        if not is_draft_model(args.assistant):
+            raise UsageError(f"--assistant {args.assistant}: not a causal LM directory, builtin:<name> or "
+                             f"draft_model checkpoint")
+    elif "hf_assisted" in baselines and not is_draft_model(args.drafter):
+        raise UsageError(f"--baselines hf_assisted needs a draft model: --drafter {args.drafter or 'none'} is not "
+                         f"one; name one with --assistant PATH")
+    if not args.tie_tol >= 0:
+        raise UsageError(f"--tie-tol must be >= 0, got {args.tie_tol}")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.warmup < 0:
@@ -201,7 +165,29 @@ def run_bench_command(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'draftsmith[plots]'") from None
-    questions = read_questions(args.questions)[: args.limit]
+    return baselines
+
+
+def hf_options(session: Any, args: argparse.Namespace, names: Sequence[str]) -> HFOptions:
+    """hf_pld's lookup settings and hf_assisted's draft model (the drafter's own, else --assistant's)."""
+    from inference.draft_model import DraftModelDrafter, load_draft_model
+
+    tokens, ngram = pld_defaults(session.engine.drafter)
+    assistant = None
+    if "hf_assisted" in names:
+        drafter = session.engine.drafter
+        assistant = drafter.model if isinstance(drafter, DraftModelDrafter) else \
+            load_draft_model(args.assistant, session.engine.model, session.engine.device)
+    return HFOptions(args.pld_tokens or tokens, ngram, assistant)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from inference.bandwidth import copy_bandwidth, weight_bytes
+    from inference.near_tie import Fp64Judge
+
+    baselines = check_bench_args(args)
+    questions, prompt_sets = load_questions(args.questions)
+    questions = questions[: args.limit]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     session = open_session(args)
@@ -210,22 +196,32 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if not names:
         raise UsageError("nothing to run: --baseline-only (or --drafter none) with --baselines empty")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.acceptance)
-    runners = build_runners(session, names, sampling)
+    hf = hf_options(session, args, names)
+    runners = build_runners(session, names, sampling, hf)
+    model, device = session.engine.model, session.engine.device
+    copy_rate = copy_bandwidth(device)
     base_id = _slug(session.base)
-    model_ids = {"drafter": _slug(session.drafter_name), "ar": f"{base_id}-ar", "hf": f"{base_id}-hf"}
+    model_ids = {"drafter": _slug(session.drafter_name), **{b: f"{base_id}-{b}" for b in BASELINES}}
     if args.model_id:
         model_ids[names[0]] = args.model_id
     answers = run_all(session, runners, questions, args)
-    summary = summarize(answers, names[0], greedy=args.temperature == 0)
+    greedy = args.temperature == 0
+    # float64 reruns need a plain copy of the target: not of quantized or device-mapped weights
+    fp64 = greedy and args.quantization == "none" and args.device_map is None
+    judge = Fp64Judge(model, args.tie_tol) if fp64 else None
+    summary = summarize(answers, names[0], greedy=greedy, judge=judge)
+    summary["bandwidth"] = bandwidth_floor(weight_bytes(model), copy_rate, summary)
     summary["config"] = {
-        "questions": str(args.questions), "num_questions": len(questions), "turns": args.turns,
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-        "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base, "drafter": session.drafter_name,
-        "head_vocab": args.head_vocab,
-        "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
-        "dtype": str(session.engine.model.dtype).removeprefix("torch."), "device": str(session.engine.device),
-        "threads": torch.get_num_threads(), "model_ids": {n: model_ids[n] for n in names},
+        "questions": str(args.questions), "prompt_sets": prompt_sets, "num_questions": len(questions),
+        **run_config(args, session, {n: model_ids[n] for n in names}),
+        "fp64_reruns": None if judge is None else judge.reruns,
     }
+    if "hf_pld" in names:
+        summary["config"]["hf_pld"] = {"prompt_lookup_num_tokens": hf.pld_tokens,
+                                       "max_matching_ngram_size": hf.pld_ngram}
+    if "hf_assisted" in names:
+        summary["config"]["hf_assisted"] = {"assistant": args.assistant or session.drafter_name,
+                                            **assisted_settings(hf.assistant)}
     for name in names:
         lines = "".join(json.dumps(answer_record(a, model_ids[name])) + "\n" for a in answers[name])
         write_atomic(out_dir / f"{model_ids[name]}.jsonl", lines)
@@ -238,25 +234,57 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_runners(session: Any, names: Sequence[str], sampling: Sampling) -> dict[str, Runner]:
-    from inference.api import Engine, _eos_ids
+def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]) -> dict[str, Any]:
+    """What was run, and on what, for summary.json's config."""
+    from inference.bandwidth import host_info
 
-    model = session.engine.model
-    made: dict[str, Runner] = {}
-    for name in names:
-        if name == "drafter":
-            made[name] = EngineRunner(session.engine, sampling)
-        elif name == "ar":
-            made[name] = EngineRunner(Engine(model, NoDrafter()), sampling)
-        else:
-            made[name] = HFRunner(model, _eos_ids(model), session.tokenizer.pad_token_id, sampling)
-    return made
+    model, device = session.engine.model, session.engine.device
+    return {
+        "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "top_k": args.top_k, "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base,
+        "drafter": session.drafter_name, "head_vocab": args.head_vocab,
+        "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
+        "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
+        "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids, "tie_tol": args.tie_tol,
+    }
+
+
+class ProgressLog:
+    """tqdm's `update` / `close` for logs: a line on `stream` when at least `interval` seconds passed since the
+    last one (and at the end), with the elapsed time and an estimate of the time left."""
+
+    def __init__(self, total: int, desc: str, interval: float = PROGRESS_INTERVAL_S, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.desc, self.interval, self.clock = total, desc, interval, clock
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = 0
+        self.start = self.last = clock()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = self.clock()
+        if now - self.last >= self.interval or self.done == self.total:
+            elapsed = now - self.start
+            eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+            print(f"{self.desc}: {self.done}/{self.total} answers, {elapsed:.0f} s elapsed, ETA {eta:.0f} s",
+                  file=self.stream, flush=True)
+            self.last = now
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str) -> Any:
+    """tqdm on a terminal; on a log (stderr not a TTY) a plain line at least every PROGRESS_INTERVAL_S seconds."""
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="answer", file=sys.stderr)
+    return ProgressLog(total, desc)
 
 
 def run_all(session: Any, runners: dict[str, Runner], questions: list[Question], args: argparse.Namespace
             ) -> dict[str, list[Answer]]:
-    from tqdm.auto import tqdm
-
     def encode(messages: list[dict[str, str]]) -> list[int]:
         return encode_messages(session, messages)
 
@@ -270,10 +298,13 @@ def run_all(session: Any, runners: dict[str, Runner], questions: list[Question],
             runner(warm_ids, min(WARMUP_TOKENS, args.max_new_tokens), args.seed + i)
     answers: dict[str, list[Answer]] = {name: [] for name in runners}
     order = list(runners)
-    for qi, question in enumerate(tqdm(questions, desc="bench", unit="question", disable=None)):
+    progress = progress_bar(len(questions) * len(order), "bench")
+    for qi, question in enumerate(questions):
         for name in order[qi % len(order):] + order[: qi % len(order)]:  # rotate who goes first
             answers[name].append(answer(runners[name], question, num_turns, encode, decode, args.max_new_tokens,
                                         args.seed + 1000 * qi))
+            progress.update(1)
+    progress.close()
     return answers
 
 

@@ -1,14 +1,15 @@
 """Benchmark bookkeeping: per-turn results -> summary dict (JSON-ready) -> printed table. No model code.
 
 Definitions (also in inference.bench): tau = new tokens / target forwards (prefill included); speedup = tokens/s of
-the main method over a baseline's; ideal speedup = tau x t_AR_step / t_tree_forward; efficiency = speedup vs ar /
-ideal speedup.
+the main method over a baseline's (one per baseline); ideal speedup = tau x t_AR_step / t_tree_forward; efficiency =
+speedup vs ar / ideal speedup. Greedy identity: every method's turns against the reference's (ar, else hf), a
+differing turn judged near-tie or mismatch by a `Judge` the caller passes (inference.near_tie: a float64 rerun).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from inference.generate import StepTimes
 
@@ -23,6 +24,7 @@ class TurnResult:
     target_forwards: int  # prefill included
     accepted: tuple[int, ...]  # accepted draft tokens per decoding step
     times: StepTimes | None  # per-phase totals (engine methods only)
+    prompt: tuple[int, ...] = ()  # the prompt ids this turn was generated from
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,44 @@ class Totals:
         return row
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """Where a method's greedy turn first leaves the reference's turn generated from the same prompt: both read
+    `context` (prompt + the tokens they share), then chose different tokens (None: that side had already ended)."""
+
+    method: str
+    question_id: Any
+    turn: int
+    position: int  # index into the new tokens
+    context: tuple[int, ...]
+    reference_token: int | None
+    method_token: int | None
+
+
+@dataclass(frozen=True)
+class TieVerdict:
+    """A judge's ruling on one Divergence; the float64 fields are None when it could not rerun the target."""
+
+    near_tie: bool
+    fp64_argmax: int | None = None
+    gap: float | None = None  # z[reference token] - z[method token], float64 logits
+    relative_gap: float | None = None  # gap / max(|z[reference token]|, |z[method token]|)
+
+
+Judge = Callable[[Divergence], TieVerdict]
+VERDICTS = ("identical", "near_tie", "mismatch", "not_compared")
+SHOWN_DIVERGENCES = 10  # per method in summary.json
+
+
 def _ratio(a: Totals, b: Totals | None) -> float | None:
     return a.tokens_per_s / b.tokens_per_s if b is not None and b.tokens_per_s > 0 else None
 
 
-def summarize(answers: dict[str, list[Answer]], main: str, greedy: bool) -> dict[str, Any]:
+def summarize(answers: dict[str, list[Answer]], main: str, greedy: bool, judge: Judge | None = None
+              ) -> dict[str, Any]:
     """Summary of one benchmark run. `answers[method]` lists every question in the same order for every method;
-    `main` is the method the summary is about (the others are baselines)."""
+    `main` is the method the summary is about (the others are baselines). `judge` rules on greedy turns that differ
+    from the reference's (None: every such turn counts as a mismatch)."""
     totals = {name: Totals() for name in answers}
     by_category: dict[str, dict[str, Totals]] = {}
     for name, rows in answers.items():
@@ -89,18 +122,20 @@ def summarize(answers: dict[str, list[Answer]], main: str, greedy: bool) -> dict
                 totals[name].add(turn)
                 cat.add(turn)
     m = totals[main]
+    baselines = [name for name in answers if name != main]
     ar, hf = totals.get("ar") if main != "ar" else None, totals.get("hf") if main != "hf" else None
     summary: dict[str, Any] = {
         "main": main,
         "methods": {name: t.as_dict() for name, t in totals.items()},
         "tau": m.tau,
         "tokens_per_s": m.tokens_per_s,
+        "speedup_vs": {b: _ratio(m, totals[b]) for b in baselines},
         "speedup_vs_ar": _ratio(m, ar),
         "speedup_vs_hf": _ratio(m, hf),
         "ar_vs_hf": _ratio(totals["ar"], totals["hf"]) if {"ar", "hf"} <= set(totals) else None,
     }
     summary.update(efficiency(m, ar))
-    summary["greedy_check"] = greedy_check(answers, main) if greedy else None
+    summary["greedy_check"] = greedy_check(answers, main, judge) if greedy else None
     summary["categories"] = {}
     for category, cat in by_category.items():
         mc = cat[main]
@@ -109,7 +144,8 @@ def summarize(answers: dict[str, list[Answer]], main: str, greedy: bool) -> dict
             "questions": sum(1 for a in answers[main] if a.category == category),
             "tau": mc.tau,
             "tokens_per_s": mc.tokens_per_s,
-            "speedup": _ratio(mc, baseline),
+            "speedup": _ratio(mc, baseline),  # vs ar, else hf (the figure's bars)
+            "speedup_vs": {b: _ratio(mc, cat[b]) for b in baselines},
             "speedup_vs_hf": _ratio(mc, cat["hf"] if hf is not None else None),
         }
     return summary
@@ -129,20 +165,70 @@ def efficiency(m: Totals, ar: Totals | None) -> dict[str, Any]:
             "t_ar_step_ms": t_ar_step * 1e3, "t_tree_forward_ms": t_tree_forward * 1e3}
 
 
-def greedy_check(answers: dict[str, list[Answer]], main: str) -> dict[str, Any]:
-    """Greedy decoding must not depend on the method: count turns whose tokens differ from each baseline's."""
-    check: dict[str, Any] = {"compared_turns": sum(len(a.turns) for a in answers[main])}
-    pairs = [(main, b) for b in ("ar", "hf") if b in answers and b != main]
-    if main != "ar" and {"ar", "hf"} <= set(answers):
-        pairs.append(("ar", "hf"))
-    for left, right in pairs:
-        bad = [a.question_id for a, b in zip(answers[left], answers[right])
-               if [t.tokens for t in a.turns] != [t.tokens for t in b.turns]]
-        check[f"mismatches_{left}_vs_{right}"] = sum(
-            x.tokens != y.tokens for a, b in zip(answers[left], answers[right]) for x, y in zip(a.turns, b.turns))
-        check[f"mismatched_questions_{left}_vs_{right}"] = bad[:10]
-    check["identical"] = all(v == 0 for k, v in check.items() if k.startswith("mismatches_"))
+def greedy_reference(methods: list[str], main: str) -> str | None:
+    """The method every other's greedy tokens are compared with: ar, else hf, else the first baseline."""
+    return next((r for r in ("ar", "hf") if r in methods), next((n for n in methods if n != main), None))
+
+
+def first_divergence(method: str, question_id: Any, turn: int, ref: TurnResult, other: TurnResult) -> Divergence:
+    """The first position where `other`'s tokens leave `ref`'s (the two differ; both read the same prompt)."""
+    common = next((i for i, (x, y) in enumerate(zip(ref.tokens, other.tokens)) if x != y),
+                  min(len(ref.tokens), len(other.tokens)))
+
+    def at(tokens: tuple[int, ...]) -> int | None:
+        return tokens[common] if common < len(tokens) else None
+
+    return Divergence(method, question_id, turn, common, ref.prompt + ref.tokens[:common], at(ref.tokens),
+                      at(other.tokens))
+
+
+def greedy_check(answers: dict[str, list[Answer]], main: str, judge: Judge | None = None) -> dict[str, Any]:
+    """Greedy decoding must not depend on the method. Each turn of each method is compared with the reference's
+    same turn when both were generated from the same prompt (else not_compared: an earlier turn differed, so the two
+    conversations differ): identical, or judged at its first differing token (near_tie: float rounding can explain
+    it; mismatch: it cannot, or there is no judge)."""
+    reference = greedy_reference(list(answers), main)
+    check: dict[str, Any] = {"reference": reference, "compared_turns": sum(len(a.turns) for a in answers[main]),
+                             "methods": {}}
+    for name in answers:
+        if name == reference or reference is None:
+            continue
+        counts: dict[str, Any] = dict.fromkeys(VERDICTS, 0)
+        shown: list[dict[str, Any]] = []
+        for ref_answer, answer in zip(answers[reference], answers[name]):
+            for j, (ref, turn) in enumerate(zip(ref_answer.turns, answer.turns)):
+                if ref.prompt != turn.prompt:
+                    counts["not_compared"] += 1
+                    continue
+                if ref.tokens == turn.tokens:
+                    counts["identical"] += 1
+                    continue
+                d = first_divergence(name, answer.question_id, j, ref, turn)
+                comparable = d.reference_token is not None and d.method_token is not None
+                verdict = judge(d) if judge is not None and comparable else TieVerdict(False)
+                counts["near_tie" if verdict.near_tie else "mismatch"] += 1
+                if len(shown) < SHOWN_DIVERGENCES:
+                    shown.append({"question_id": d.question_id, "turn": j, "position": d.position,
+                                  "reference_token": d.reference_token, "method_token": d.method_token,
+                                  "verdict": "near_tie" if verdict.near_tie else "mismatch",
+                                  "fp64_argmax": verdict.fp64_argmax, "fp64_gap": verdict.gap,
+                                  "fp64_relative_gap": verdict.relative_gap})
+        check["methods"][name] = {**counts, "divergences": shown}
+    rows = check["methods"].values()
+    check["identical"] = all(r["identical"] == sum(r[v] for v in VERDICTS) for r in rows) if rows else None
+    check["lossless"] = all(r["mismatch"] == 0 for r in rows) if rows else None
     return check
+
+
+def bandwidth_floor(weight_bytes: int, copy_bytes_per_s: float, summary: dict[str, Any]) -> dict[str, Any]:
+    """The memory-bandwidth floor of one plain decoding step, weight bytes / copy bandwidth (every weight is read
+    once per step), next to our measured mean plain step (ar, when it ran with per-phase times)."""
+    floor_ms = weight_bytes / copy_bytes_per_s * 1e3
+    ar_row = summary["methods"].get("ar", {})
+    ar_ms = ar_row["per_step_ms"]["total"] if "per_step_ms" in ar_row else None
+    return {"weight_bytes": weight_bytes, "copy_gb_per_s": copy_bytes_per_s / 1e9, "floor_ms": floor_ms,
+            "ar_step_ms": ar_ms, "ar_step_over_floor": ar_ms / floor_ms if ar_ms is not None and floor_ms > 0
+            else None}
 
 
 def _f(value: float | None, fmt: str) -> str:
@@ -151,35 +237,54 @@ def _f(value: float | None, fmt: str) -> str:
 
 def format_table(summary: dict[str, Any]) -> str:
     """The summary as the plain-text report printed at the end of a run."""
-    lines = [f"{'method':10}{'turns':>7}{'tokens':>9}{'wall s':>10}{'tok/s':>9}{'tau':>7}{'forwards':>10}"]
+    main, check = summary["main"], summary.get("greedy_check") or {"methods": {}, "reference": None}
+    lines = [f"{'method':12}{'turns':>6}{'tokens':>8}{'wall s':>9}{'tok/s':>8}{'tau':>6}{'forwards':>9}"
+             f"{'speedup':>9}{'identical':>10}{'near-tie':>9}{'mismatch':>9}"
+             f"   (speedup: {main}'s tok/s over the row's; greedy turns vs {check['reference'] or '-'})"]
     for name, row in summary["methods"].items():
-        lines.append(f"{name:10}{row['turns']:7d}{row['new_tokens']:9d}{row['wall_time_s']:10.2f}"
-                     f"{row['tokens_per_s']:9.1f}{row['tau']:7.2f}{row['target_forwards']:10d}")
-    ratios = [(f"{summary['main']} vs our AR", summary["speedup_vs_ar"]),
-              (f"{summary['main']} vs HF generate", summary["speedup_vs_hf"])]
-    if summary["main"] != "ar":
-        ratios.append(("our AR vs HF generate", summary["ar_vs_hf"]))
-    shown = [f"{label} {value:.2f}x" for label, value in ratios if value is not None]
-    if shown:
-        lines.append("speedup: " + "; ".join(shown))
+        ident = check["methods"].get(name)
+        marks = (f"{ident['identical']:10d}{ident['near_tie']:9d}{ident['mismatch']:9d}" if ident is not None
+                 else f"{'ref' if name == check['reference'] else '-':>10}{'-':>9}{'-':>9}")
+        lines.append(f"{name:12}{row['turns']:6d}{row['new_tokens']:8d}{row['wall_time_s']:9.2f}"
+                     f"{row['tokens_per_s']:8.1f}{row['tau']:6.2f}{row['target_forwards']:9d}"
+                     f"{_f(summary['speedup_vs'].get(name), '9.2f'):>9}{marks}")
+    if main != "ar" and summary["ar_vs_hf"] is not None:
+        lines.append(f"our AR vs HF generate {summary['ar_vs_hf']:.2f}x")
     timed = {n: r for n, r in summary["methods"].items() if "per_step_ms" in r}
     if timed:
         lines.append(f"{'per step ms':12}" + "".join(f"{p:>9}" for p in (*PHASES, "total")) + f"{'prefill':>9}")
         for name, row in timed.items():
             lines.append(f"{name:12}" + "".join(f"{row['per_step_ms'][p]:9.2f}" for p in (*PHASES, "total"))
                          + f"{row['prefill_ms']:9.2f}")
+    floor = summary.get("bandwidth")
+    if floor is not None:
+        ar_part = "" if floor["ar_step_ms"] is None else \
+            f"; our plain step {floor['ar_step_ms']:.2f} ms = {floor['ar_step_over_floor']:.2f}x the floor"
+        lines.append(f"memory-bandwidth floor {floor['floor_ms']:.2f} ms per step "
+                     f"({floor['weight_bytes'] / 1e6:.1f} MB of weights / {floor['copy_gb_per_s']:.1f} GB/s "
+                     f"copy bandwidth){ar_part}")
     if summary.get("ideal_speedup") is not None:
         lines.append(f"engine efficiency {summary['engine_efficiency']:.2f} = speedup {summary['speedup_vs_ar']:.2f}"
                      f" / ideal {summary['ideal_speedup']:.2f} (tau {summary['tau']:.2f} x t_AR_step "
                      f"{summary['t_ar_step_ms']:.2f} ms / t_tree_forward {summary['t_tree_forward_ms']:.2f} ms)")
-    check = summary.get("greedy_check")
-    if check is not None and len(check) > 2:  # at least one baseline compared
-        parts = [f"{k.removeprefix('mismatches_').replace('_vs_', ' vs ')} {v}/{check['compared_turns']}"
-                 for k, v in check.items() if k.startswith("mismatches_")]
-        verdict = "identical" if check["identical"] else "NOT identical"
-        lines.append(f"greedy outputs {verdict} (mismatched turns: {', '.join(parts)})")
-    lines.append(f"{'category':14}{'questions':>10}{'tau':>7}{'tok/s':>9}{'speedup':>9}")
+    if check["methods"]:
+        lines.append(greedy_verdict(check))
+    baselines = list(summary["speedup_vs"])
+    lines.append(f"{'category':14}{'questions':>10}{'tau':>7}{'tok/s':>9}"
+                 + "".join(f"{'vs ' + b:>15}" for b in baselines))
     for category, row in summary["categories"].items():
         lines.append(f"{category:14}{row['questions']:10d}{row['tau']:7.2f}{row['tokens_per_s']:9.1f}"
-                     f"{_f(row['speedup'], '9.2f'):>9}")
+                     + "".join(f"{_f(row['speedup_vs'][b], '15.2f'):>15}" for b in baselines))
     return "\n".join(lines)
+
+
+def greedy_verdict(check: dict[str, Any]) -> str:
+    """One line: are the greedy outputs identical, identical up to near-ties, or not?"""
+    rows = check["methods"]
+    if check["identical"]:
+        return f"greedy outputs identical (every turn of {', '.join(rows)} equals {check['reference']}'s)"
+    parts = ", ".join(f"{name} {r['near_tie']} near-tie / {r['mismatch']} mismatch"
+                      + (f" / {r['not_compared']} not compared" if r["not_compared"] else "")
+                      for name, r in rows.items())
+    verdict = "identical up to near-ties" if check["lossless"] else "NOT identical"
+    return f"greedy outputs {verdict} vs {check['reference']} (differing turns: {parts})"

@@ -249,19 +249,26 @@ def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, di
     return load_stopper(Path(path), entry), entry
 
 
+def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.device) -> nn.Module:
+    """The causal LM of a draft_model checkpoint or a plain causal LM (a directory or "builtin:<name>"), in the
+    target's dtype on `device`, its vocabulary checked against the target's."""
+    from models.loading import load_target
+
+    source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
+    dtype = target.get_input_embeddings().weight.dtype
+    name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
+    draft = load_target(source, dtype=name).to(device)
+    check_vocab(draft, target)
+    return draft
+
+
 def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,
                               draft_stop: str | None = None) -> DraftModelDrafter:
     """Behind DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
     (a directory or "builtin:<name>") loaded in the target's dtype on `device`, vocabulary checked. `draft_stop`
     (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has one, else "fixed";
     with a stopper and no `tree`, the draft length is the one it was trained for (its traces' max_gamma)."""
-    from models.loading import load_target
-
-    source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
-    dtype = model.get_input_embeddings().weight.dtype
-    name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
-    draft = load_target(source, dtype=name).to(device)
-    check_vocab(draft, model)
+    draft = load_draft_model(path, model, device)
     stopper, entry = checkpoint_stopper(path)
     if tree is None and stopper is not None:  # the draft length its stopper was trained for
         tree = f"chain:{entry.get('max_gamma', DEFAULT_GAMMA)}"
