@@ -17,13 +17,13 @@ import gc
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from models.medusa import MedusaHeads
+from models.medusa import MedusaConfig
 from train.config import Medusa1Config
 from train.medusa1 import MedusaTrainModule, Method
 
@@ -126,11 +126,10 @@ def throughput(target: nn.Module, method: Method, batches: list[dict[str, torch.
     return Throughput(train_tok_s=tokens / seconds["train"], forward_tok_s=tokens / seconds["forward"])
 
 
-def arithmetic_bound(target: nn.Module, heads: MedusaHeads) -> Bound:
-    """B and H of the bound for `target` and heads shaped like `heads` (quantized linears count their logical
-    in x out shape)."""
+def arithmetic_bound(target: nn.Module, c: MedusaConfig) -> Bound:
+    """B and H of the bound for `target` and heads of config `c` (quantized linears count their logical in x out
+    shape)."""
     backbone = sum(m.in_features * m.out_features for m in target.modules() if isinstance(m, nn.Linear))
-    c = heads.config
     return Bound(backbone_macs=backbone,
                  heads_macs=c.num_heads * (c.num_layers * c.hidden_size**2 + c.hidden_size * c.vocab_size))
 
@@ -158,3 +157,52 @@ def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """`heads` medusa1 heads (method defaults otherwise) trained on `steps` random batches of batch x seq tokens."""
+
+    heads: int
+    batch: int
+    seq: int
+    steps: int
+    share_lm_head: bool = False
+
+    def batches(self, target: nn.Module, seed: int) -> list[dict[str, torch.Tensor]]:
+        device = target.get_input_embeddings().weight.device
+        return random_batches(target.config.vocab_size, self.steps, self.batch, self.seq, device, seed)
+
+
+def memory_figures(target: nn.Module, setup: StepSetup, baseline: int, seed: int = 0) -> dict[str, Any]:
+    """Peak GPU memory of `setup`'s steps as a JSON-ready dict. Off CUDA the steps still run (their last loss is
+    reported) and the memory figures are None, with the reason: peak resident memory is another quantity."""
+    method = medusa_method(setup.heads, share_lm_head=setup.share_lm_head)
+    data = setup.batches(target, seed)
+    device = data[0]["input_ids"].device
+    row: dict[str, Any] = {"heads": setup.heads, "share_lm_head": setup.share_lm_head, "steps": setup.steps,
+                           "batch": setup.batch, "seq": setup.seq}
+    if device.type == "cuda":
+        peak = cuda_peak_memory(target, method, data, baseline)
+        return {**row, "loaded_mib": peak.loaded_mib, "peak_mib": peak.peak_mib, "reason": None}
+    module, step = trainer(method, target, device)
+    losses = [float(step(b)) for b in data]
+    return {**row, "loaded_mib": None, "peak_mib": None, "last_loss": losses[-1],
+            "reason": "not on CUDA: torch.cuda.max_memory_allocated has no CPU equivalent (the steps ran)"}
+
+
+def throughput_figures(target: nn.Module, setup: StepSetup, rounds: int, variants: dict[str, torch.dtype | None],
+                       seed: int = 0) -> dict[str, Any]:
+    """Throughput (one entry per autocast variant: name -> None or a dtype) and the bound, as a JSON-ready dict."""
+    method = medusa_method(setup.heads, share_lm_head=setup.share_lm_head)
+    data = setup.batches(target, seed)
+    row: dict[str, Any] = {"heads": setup.heads, "share_lm_head": setup.share_lm_head, "steps": setup.steps,
+                           "batch": setup.batch, "seq": setup.seq, "rounds": rounds}
+    for name, autocast in variants.items():
+        t = throughput(target, method, data, rounds, autocast)
+        row[name] = {"train_tok_s": t.train_tok_s, "forward_tok_s": t.forward_tok_s, "ratio": t.ratio}
+    hidden = target.config.get_text_config().hidden_size
+    c = MedusaConfig(setup.heads, method.m.num_layers, hidden, target.config.vocab_size, setup.share_lm_head)
+    bound = arithmetic_bound(target, c)
+    row["bound"] = {"backbone_macs": bound.backbone_macs, "heads_macs": bound.heads_macs, "ratio": bound.ratio}
+    return row
