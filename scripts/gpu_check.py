@@ -25,7 +25,7 @@ and exit status 2 before any model is built. --small shrinks every shape and cou
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_check_report, however this file was started
 
 SECTIONS = ("train", "nf4", "engine", "tiny")
-REQUIRED = ("transformers", "tokenizers", "safetensors", "accelerate", "omegaconf", "hydra")
+# What the sections import (transformers and its own dependencies, omegaconf, hydra-core, accelerate): tried after the
+# argument checks, so a machine that lacks a package says so in one line before any model is built.
+REQUIRED = ("transformers", "train.medusa1_cost", "inference.engine_check", "inference.cli")
 BUNDLE_FILES = ("medusa1/config.json", "medusa1/drafter.safetensors", "base/config.json", "question.jsonl")
 JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.txt"
 
@@ -169,10 +171,21 @@ def check_args(args: argparse.Namespace) -> tuple[Path, torch.device, tuple[str,
             fail(f"--tiny {bundle}: no {missing[0]} (make the bundle with --pack-tiny)")
     if args.threads is not None and args.threads < 1:
         fail(f"--threads must be >= 1, got {args.threads}")
-    absent = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
-    if absent:
-        fail(f"python {platform.python_version()} lacks {', '.join(absent)} (scripts/gpu_check.md: carrying wheels)")
+    for name in REQUIRED:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            fail(f"cannot import {name} ({e}); scripts/gpu_check.md says which wheels to carry")
     return out, device, sections, bundle
+
+
+def nf4_unavailable() -> str | None:
+    """Why the NF4 section cannot run here, or None."""
+    try:
+        importlib.import_module("bitsandbytes")
+    except (ImportError, RuntimeError, OSError) as e:  # absent, or its native library does not load
+        return f"bitsandbytes cannot be imported ({type(e).__name__}: {e})"
+    return None
 
 
 def pack_tiny(drafter: Path, dest: Path, questions: Path) -> int:
@@ -334,7 +347,7 @@ def main(argv: list[str]) -> int:
     progress = Progress()
     results: dict[str, Any] = {"meta": meta(args, plan, device, sections), **dict.fromkeys(sections)}
     write(out, results, progress)
-    nf4_reason = None if importlib.util.find_spec("bitsandbytes") else "bitsandbytes is not installed"
+    nf4_reason = nf4_unavailable() if "nf4" in sections else None
     if {"train", "nf4", "engine"} & set(sections):
         from train.medusa1_cost import release
 
