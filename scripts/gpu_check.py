@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -112,7 +113,7 @@ class Progress:
         while True:
             time.sleep(1.0)
             if time.perf_counter() - self.last >= self.every:
-                self._print(f"... still: {self.current}")
+                self._print(f"... still working (last: {self.current})")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -150,7 +151,8 @@ def check_device(text: str) -> torch.device:
 
 
 def check_args(args: argparse.Namespace) -> tuple[Path, torch.device, tuple[str, ...], Path | None]:
-    """Everything that can be wrong with the command line, before any model or heavy import."""
+    """Everything that can be wrong with the command line or this machine, before any model is built: the cheap
+    checks first, then the imports the sections need."""
     if args.out is None:
         fail("--out is required (a folder for gpu_check.json and gpu_check.txt)")
     out = Path(args.out)
@@ -309,11 +311,27 @@ def write(out: Path, results: dict, progress: Progress) -> None:
     from gpu_check_report import format_report
 
     results["meta"]["wall_s"] = progress.elapsed()
+    bad: list[str] = []
+    results = strict_json(results, "", bad)  # a copy: the caller's dict keeps its values
+    results["meta"]["nonfinite"] = bad
     for name, text in ((JSON_NAME, json.dumps(results, indent=2, allow_nan=False) + "\n"),
                        (REPORT_NAME, format_report(results) + "\n")):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out / name)
+
+
+def strict_json(value: Any, path: str, bad: list[str]) -> Any:
+    """`value` with every NaN or infinity replaced by None (strict JSON); their paths are appended to `bad`, which
+    the JSON keeps as meta.nonfinite and the report shows."""
+    if isinstance(value, float) and not math.isfinite(value):
+        bad.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v, f"{path}.{k}" if path else k, bad) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v, f"{path}[{i}]", bad) for i, v in enumerate(value)]
+    return value
 
 
 def meta(args: argparse.Namespace, plan: Plan, device: torch.device, sections: tuple[str, ...]) -> dict[str, Any]:
@@ -331,7 +349,7 @@ def meta(args: argparse.Namespace, plan: Plan, device: torch.device, sections: t
         "small": args.small, "sections": list(sections), "seed": args.seed, "threads": torch.get_num_threads(),
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "versions": {n: version(n) for n in ("transformers", "bitsandbytes", "accelerate", "peft")},
-        "plan": asdict(plan), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "section_s": {}, "wall_s": 0.0,
+        "plan": asdict(plan), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "section_s": {}, "wall_s": 0.0, "nonfinite": [],
     }
 
 

@@ -88,7 +88,8 @@ def format_report(results: dict[str, Any]) -> str:
     m, p = results["meta"], results["meta"]["plan"]
     head = (f"draftsmith GPU check on {m['device_name']} ({m['device']}{', --small' if m['small'] else ''}): random "
             f"Llama hidden {p['hidden']} x {p['layers']} layers, vocab {p['vocab']}; {m['wall_s']:.0f} s")
-    return "\n".join([head, *train_lines(results.get("train"), results.get("nf4")),
+    bad = [f"NaN or infinite, written as null: {', '.join(m['nonfinite'])}"] if m.get("nonfinite") else []
+    return "\n".join([head, *bad, *train_lines(results.get("train"), results.get("nf4")),
                       *engine_lines(results.get("engine")), *tiny_lines(results.get("tiny"))])
 
 

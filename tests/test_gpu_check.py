@@ -28,8 +28,9 @@ QUESTIONS = [{"question_id": i, "category": c, "turns": [t]} for i, (c, t) in en
 
 def run_script(*args: object) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model on a shared machine: one thread, no spin-waiting
+    # ~30 s on a quiet 2-core machine; the limit only catches a hang (a crowded machine has taken 12 minutes)
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=env)
+                          timeout=1800, cwd=ROOT, env=env)
 
 
 def positive(x: object) -> bool:
@@ -67,6 +68,7 @@ def test_cpu_dry_run_measures_every_section(bundle, tmp_path):
     r = json.loads((out / "gpu_check.json").read_text())
     assert set(r) == {"meta", "train", "nf4", "engine", "tiny"}
     plan = r["meta"]["plan"]
+    assert r["meta"]["nonfinite"] == []
 
     # Training: every timed figure finite; the bound from the plan's shapes; GPU memory null with its reason.
     h, i, v, k = plan["hidden"], plan["intermediate"], plan["vocab"], plan["medusa_heads"]
@@ -127,3 +129,14 @@ def test_bad_arguments_end_in_one_line_before_any_model(tmp_path, case):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert not out.exists() and result.stdout == ""
+
+
+def test_nonfinite_figures_become_null_and_are_named():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check import strict_json
+
+    bad: list[str] = []
+    clean = strict_json({"train": {"ratio": float("nan"), "ms": [1.0, float("inf")]}, "n": 3}, "", bad)
+    assert clean == {"train": {"ratio": None, "ms": [1.0, None]}, "n": 3}
+    assert bad == ["train.ratio", "train.ms[1]"]
+    json.dumps(clean, allow_nan=False)
