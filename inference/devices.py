@@ -12,6 +12,8 @@ device of the input embeddings. Medusa heads sit on the device of the lm_head th
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -58,3 +60,17 @@ def output_device(model: nn.Module) -> torch.device:
     """Device the lm_head computes on: where heads that read the final hidden state belong."""
     return module_device(model, model.get_output_embeddings())
 
+
+
+def cuda_sync(model: nn.Module) -> Callable[[], None] | None:
+    """A function that waits until every visible GPU has finished its queued kernels, for timers around work on a
+    model on CUDA (all of them: a target split by device_map computes on several); None for a model off CUDA."""
+    if input_device(model).type != "cuda" and not any(p.is_cuda for p in model.parameters()):
+        return None
+    devices = range(torch.cuda.device_count())
+
+    def sync() -> None:
+        for index in devices:
+            torch.cuda.synchronize(index)
+
+    return sync

@@ -16,62 +16,22 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.loading import load_target  # noqa: E402
-from train.config import Medusa1Config  # noqa: E402
-
-
-def medusa_method(num_heads: int, share_lm_head: bool = False):
-    from train.medusa1 import Method
-
-    cfg = OmegaConf.create({"method": OmegaConf.structured(Medusa1Config(num_heads=num_heads, share_lm_head=share_lm_head))})
-    return Method(cfg)
-
-
-def batches(vocab: int, n: int, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
-    return out
+from train.medusa1_cost import medusa_method, random_batches  # noqa: E402
+from train.medusa1_cost import throughput as measure_throughput  # noqa: E402
 
 
 def throughput(args) -> dict[str, float]:
     target = load_target(args.model, dtype=args.dtype)
-    method = medusa_method(args.heads)
-    module = method.build(target, None)
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
-    data = batches(target.config.vocab_size, args.steps, args.batch, args.seq)
-
-    def train_step(b):
-        out = method.forward_loss(module, b)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def forward_step(b):
-        target(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-
-    for fn in (train_step, forward_step):  # warm-up
-        fn(data[0])
-    times = {"train": 0.0, "forward": 0.0}
-    for _ in range(args.rounds):  # alternate so background load hits both alike
-        for name, fn in (("train", train_step), ("forward", forward_step)):
-            t0 = time.perf_counter()
-            for b in data:
-                fn(b)
-            times[name] += time.perf_counter() - t0
-    tokens = args.rounds * args.steps * args.batch * args.seq
-    return {"train_tok_s": tokens / times["train"], "forward_tok_s": tokens / times["forward"]}
+    data = random_batches(target.config.vocab_size, args.steps, args.batch, args.seq)
+    t = measure_throughput(target, medusa_method(args.heads), data, args.rounds)
+    return {"train_tok_s": t.train_tok_s, "forward_tok_s": t.forward_tok_s}
 
 
 def peak_memory_child(path: str, quantization: str, heads: int, steps: int, batch: int, seq: int) -> None:
@@ -98,7 +58,7 @@ def peak_memory_child(path: str, quantization: str, heads: int, steps: int, batc
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # return the load's freed buffers (e.g. bf16 weights before NF4) to the OS
     loaded = rss("VmRSS") - baseline
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak: measure training, not the one-off load
-    for b in batches(target.config.vocab_size, steps, batch, seq):
+    for b in random_batches(target.config.vocab_size, steps, batch, seq):
         method.forward_loss(module, b).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,0 +1,100 @@
+"""The text report of scripts/gpu_check.py, from its JSON alone: `python scripts/gpu_check_report.py gpu_check.json`
+prints it again (gpu_check.py writes it as gpu_check.txt next to the JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _f(value: Any, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def unavailable(name: str, section: Any) -> list[str]:
+    """The report line of a section that has no figures (not run, failed, skipped), else []."""
+    if section is None:
+        return [f"{name}: not run"]
+    if "error" in section:
+        return [f"{name}: FAILED: {section['error']}"]
+    if "skipped" in section:
+        return [f"{name}: skipped: {section['skipped']}"]
+    return []
+
+
+def train_lines(train: Any, nf4: Any) -> list[str]:
+    rows = [(label, part["throughput"], key) for label, part, key in (
+        ("bf16 backbone, fp32 heads", train, "fp32_heads"), ("bf16 backbone, bf16 autocast", train, "bf16_autocast"),
+        ("nf4 backbone, fp32 heads", nf4, "fp32_heads")) if not unavailable("", part) and part.get("throughput")]
+    lines = unavailable("train", train) + unavailable("nf4", nf4)
+    if rows:
+        t = rows[0][1]
+        lines.append(f"medusa1 step ({t['heads']} heads, batch {t['batch']} x {t['seq']}): tokens/s of a training step / "
+                     f"of the frozen forward alone (bound B/(B+3H) = {t['bound']['ratio']:.3f})")
+        lines += [f"  {label:30}{row[key]['train_tok_s']:10.0f} / {row[key]['forward_tok_s']:8.0f} = "
+                  f"{row[key]['ratio']:.3f}" for label, row, key in rows]
+    memory = {name: part["memory"] for name, part in (("bf16", train), ("nf4", nf4)) if not unavailable("", part)}
+    if memory:
+        any_memory = next(iter(memory.values()))
+        parts = [f"{name} {_f(m['peak_mib'], ',.0f')} MiB" for name, m in memory.items()]
+        reason = next((m["reason"] for m in memory.values() if m["reason"]), None)
+        ratio = (nf4 or {}).get("nf4_over_bf16_peak")
+        lines.append(f"peak GPU memory of a step ({any_memory['heads']} heads sharing the lm_head): {', '.join(parts)}"
+                     + (f"; nf4/bf16 {ratio:.3f} (goal <= 0.4)" if ratio is not None else "")
+                     + (f" ({reason})" if reason else ""))
+    return lines
+
+
+def engine_lines(engine: Any) -> list[str]:
+    lines = unavailable("engine", engine)
+    if lines:
+        return lines
+    cost = ", ".join(f"K={k} {v:.2f}" for k, v in engine["cost_ms"].items())
+    heads = ", ".join(f"{v:.2f}" for v in engine["head_ms"])
+    lines = [f"engine ({engine['dtype']}, {engine['prompts']} random prompts x {engine['new_tokens']} tokens): "
+             f"forward + verify ms {cost}; heads 1..{len(engine['head_ms'])} deep ms {heads}",
+             f"  {'method':8}{'nodes':>6}{'tau':>6}{'tok/s':>9}{'vs ar':>7}{'vs hf':>7}{'effic.':>8}   "
+             "ms/step: draft forward verify cache other"]
+    rows = [("plain", {"nodes": 1, "tau": 1.0, **engine["plain"]})]
+    rows += [(f"tree{k}", row) for k, row in engine["trees"].items()]
+    for name, row in rows:
+        ms = row["per_step_ms"]
+        lines.append(f"  {name:8}{row['nodes']:6d}{row['tau']:6.2f}{row['tokens_per_s']:9.1f}"
+                     f"{_f(row.get('speedup_vs_ar')):>7}{_f(row.get('speedup_vs_hf')):>7}"
+                     f"{_f(row.get('engine_efficiency')):>8}   " + " ".join(f"{ms[p]:.2f}" for p in
+                                                                         ("draft", "forward", "verify", "cache", "other")))
+    identity = engine["greedy_identity"]
+    counts = ", ".join(f"{pair} {c['identical']}/{c['near_tie']}/{c['mismatch']}"
+                       for pair, c in identity["pairs"].items())
+    lines.append(f"greedy identity per prompt (identical/near tie/mismatch): {counts}")
+    return lines
+
+
+def tiny_lines(tiny: Any) -> list[str]:
+    lines = unavailable("tiny", tiny)
+    if lines:
+        return lines
+    s = tiny["summary"]
+    check = s.get("greedy_check") or {}
+    return [f"tiny Medusa-1 bench ({s['config']['num_questions']} questions, {s['config']['max_new_tokens']} tokens, "
+            f"{s['config']['dtype']}): tau {s['tau']:.2f}, {s['tokens_per_s']:.1f} tok/s, speedup "
+            f"{_f(s['speedup_vs_ar'])}x our loop / {_f(s['speedup_vs_hf'])}x HF, engine efficiency "
+            f"{_f(s['engine_efficiency'])}; greedy outputs identical: {check.get('identical')}"]
+
+
+def format_report(results: dict[str, Any]) -> str:
+    m, p = results["meta"], results["meta"]["plan"]
+    head = (f"draftsmith GPU check on {m['device_name']} ({m['device']}{', --small' if m['small'] else ''}): random "
+            f"Llama hidden {p['hidden']} x {p['layers']} layers, vocab {p['vocab']}; {m['wall_s']:.0f} s")
+    bad = [f"NaN or infinite, written as null: {', '.join(m['nonfinite'])}"] if m.get("nonfinite") else []
+    return "\n".join([head, *bad, *train_lines(results.get("train"), results.get("nf4")),
+                      *engine_lines(results.get("engine")), *tiny_lines(results.get("tiny"))])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_file():
+        print("usage: python scripts/gpu_check_report.py <gpu_check.json>", file=sys.stderr)
+        raise SystemExit(2)
+    print(format_report(json.loads(Path(sys.argv[1]).read_text())))
