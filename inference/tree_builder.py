@@ -105,7 +105,8 @@ def score_heads(counter: RankCounter, heads: Any, hidden: torch.Tensor, labels: 
     h = hidden if param is None else hidden.to(param.device, param.dtype)  # heads sit on the lm_head's device
     labels = labels.to(h.device)
     for k in range(counter.hits.shape[0]):
-        targets = head_targets(labels, k + 1)  # [B, T]
+        # indices into the heads' logits; a target outside a draft vocabulary maps to S, a rank no candidate has
+        targets = heads.draft_targets(head_targets(labels, k + 1), missing=heads.config.out_size)  # [B, T]
         keep = targets != -100
         if keep.any():
             logits = heads.head_logits(k, h[keep], base_lm_head).float()
@@ -318,7 +319,7 @@ def run_build_tree(args: argparse.Namespace) -> int:
     cfg = data_config(args.data, {"path": args.data_path, "max_samples": args.max_samples,
                                   "max_length": args.max_length,
                                   "chat_template": session.chat_template if args.source == "data" else None})
-    topk = min(MEDUSA_TOPK, drafter.heads.config.vocab_size)
+    topk = min(MEDUSA_TOPK, drafter.heads.config.out_size)
     accuracy, scored = measure_accuracy(session, cfg, args.split, args.source, args.greedy_tokens, args.batch_size,
                                         topk)
     forward = measure_forward_cost(session.engine.model, args.context, sizes, args.reps)

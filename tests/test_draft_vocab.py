@@ -127,3 +127,21 @@ def test_bad_draft_vocabularies_are_refused():
 def test_most_frequent_orders_by_count_then_id():
     counts = torch.tensor([3, 0, 7, 3, 1])
     assert most_frequent(counts, 4).tolist() == [2, 0, 3, 4]
+
+
+def test_tree_builder_scores_draft_vocabulary_heads_in_full_ids():
+    """build-tree's rank accuracy of draft-vocabulary heads == that of the full heads over the same columns: with
+    every id in the draft vocabulary (any order) the counts are the full heads' own; targets outside count as misses."""
+    from inference.tree_builder import RankCounter, score_heads
+
+    full = normal_heads(False, seed=5)
+    hidden = torch.randn(2, 10, 32)
+    labels = torch.randint(0, VOCAB, (2, 10))
+    everything = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))
+    want, got = RankCounter(3, 10), RankCounter(3, 10)
+    score_heads(want, full, hidden, labels, None)
+    score_heads(got, draft_copy(full, everything), hidden, labels, None)
+    assert torch.equal(got.hits, want.hits) and torch.equal(got.count, want.count) and want.hits.sum() > 0
+    few = RankCounter(3, 10)
+    score_heads(few, draft_copy(full, vocab_ids(5)), hidden, labels, None)
+    assert torch.equal(few.count, want.count) and (few.hits.sum(1) <= want.hits.sum(1)).all()
