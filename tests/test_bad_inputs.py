@@ -223,6 +223,12 @@ CASES = [
     Case("model-without-tokenizer",
          damaged_model(lambda p: [f.unlink() for f in p.glob("tokenizer*")], load=load_tokenizer), ModelLoadError,
          r"model path '{tmp}/model' has no tokenizer.json or tokenizer_config.json or tokenizer.model or vocab.json"),
+    Case("nf4-layer-narrower-than-block",
+         lambda ws: load_target(str(shutil.copytree(ws.model, ws.tmp / "model")), dtype="bf16", quantization="nf4",
+                                device_map="cpu"), ModelLoadError,
+         r"model.quantization=nf4: {tmp}/model: layer model.layers.0.self_attn.q_proj has in_features=32, not a "
+         r"multiple of the 64-value quantisation block; bitsandbytes' CPU backend needs in_features in multiples of "
+         r"64 and out_features in multiples of 32: load this model unquantised \(model.quantization=none\)"),
     # --- drafter checkpoints ---
     Case("heads-config-truncated", damaged_heads(lambda p: truncate(p / "config.json")), CheckpointError,
          r"{tmp}/heads/config.json: not valid JSON \(.*\)"),
