@@ -64,7 +64,7 @@ def read_questions(path: str | os.PathLike) -> list[Question]:
         raise UsageError(f"{path}: question file not found (expected JSONL of {{question_id, category, turns}}; "
                          "pass --questions)")
     questions = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+    for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").split("\n"), start=1):
         if not line.strip():
             continue
         try:

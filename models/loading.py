@@ -98,7 +98,7 @@ def resolve_device_map(device_map: Any) -> Any:
 
 def _read_device_map_file(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise ModelLoadError(f"device_map {path}: cannot read ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
