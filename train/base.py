@@ -381,7 +381,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from data.collate import ChatCollator
     from data.datasets import SplitDatasets, build_datasets
     from models.loading import load_target, load_tokenizer
+    from train.cli import check_values
 
+    check_values(cfg)  # again for each job of a multirun, whose values were not checked before Hydra started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
