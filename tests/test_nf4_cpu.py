@@ -21,10 +21,8 @@ from tests.model_support import save_tiny_model
 bnb = pytest.importorskip("bitsandbytes")
 from bitsandbytes.functional import dequantize_4bit, has_avx512bf16  # noqa: E402
 
-PATHS = {
-    "packed": pytest.param("packed", marks=pytest.mark.skipif(not has_avx512bf16(), reason="this CPU has no AVX-512-bf16")),
-    "dequantise": "dequantise",
-}
+NO_AVX512BF16 = pytest.mark.skipif(not has_avx512bf16(), reason="this CPU has no AVX-512-bf16")
+PATHS = {"packed": pytest.param("packed", marks=NO_AVX512BF16), "dequantise": "dequantise"}
 
 
 @pytest.fixture(scope="module")

@@ -204,8 +204,9 @@ def test_lora_two_stages_with_self_distillation_loss(model_dir, sharegpt_file, t
 def test_qlora_evaluates_midway_keeps_training_and_merges(nf4_model_dir, sharegpt_file, tmp_path):
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "qlora"
-    result = train(nf4_model_dir, sharegpt_file, out, "model.quantization=nf4", "model.dtype=bf16", "training.eval_steps=2",
-                   "training.save_steps=1", "method.merge_adapter=true", "training.learning_rate=1e-2")
+    result = train(nf4_model_dir, sharegpt_file, out, "model.quantization=nf4", "model.dtype=bf16",
+                   "training.eval_steps=2", "training.save_steps=1", "method.merge_adapter=true",
+                   "training.learning_rate=1e-2")
     assert_ok(result)
     # Step 3 ran after the step-2 evaluation: every LoRA layer still moved.
     before = load_file(str(out / "checkpoints" / "checkpoint-2" / "adapter" / "adapter_model.safetensors"))
