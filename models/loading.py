@@ -62,6 +62,23 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def model_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    """A model's config from its config.json alone (no weights): for checks that must run before anything loads.
+    ModelLoadError naming the model when it cannot be read."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_path)
+    _check_reachable(path, needs=("config.json",))
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision is not None:
+        kwargs["revision"] = revision
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ModelLoadError(f"cannot read the config of model {name_or_path!r}: {first}") from None
+
+
 def _check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
     """Fail early with one line when a path-looking string does not exist (instead of a hub lookup traceback), or
     when a local directory holds none of the files `needs` lists."""

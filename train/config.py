@@ -286,6 +286,19 @@ RANGES: dict[type, dict[str, Range]] = {
 }
 
 
+# The keys that fix what a trainer checkpoint of each method holds (module shapes, which modules): resuming one
+# needs the same values (train.base.check_resume), and the same base model.
+_LORA_KEYS = ("method.backbone", "method.lora_r", "method.lora_target_modules")
+_HEAD_KEYS = ("method.num_heads", "method.num_layers", "method.share_lm_head")
+RESUME_KEYS: dict[str, tuple[str, ...]] = {
+    "medusa1": ("method.name", "model.path", *_HEAD_KEYS),
+    "medusa2": ("method.name", "model.path", *_HEAD_KEYS, *_LORA_KEYS),
+    "cllm": ("method.name", "model.path", *_LORA_KEYS),
+    "distill": ("method.name", "model.path", "method.draft"),
+    "stopper": (),  # fits in one go, never resumes
+}
+
+
 def out_of_range(cfg: Any) -> Optional[str]:
     """"<key>=<value>: must be ..." for the first numeric key of a composed config outside its Range, else None."""
     from omegaconf import DictConfig, OmegaConf
