@@ -18,6 +18,7 @@ Dimension letters: B batch, T time, N block size.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from typing import Any, Sequence
 import torch.utils.data
 
 from data.chat import IGNORE_INDEX
+from data.readers import DataError
 
 AR_SOURCES = ("ground_truth", "target_output", "both")  # both: one row of each per item (ground truth first)
 RECORD_START = b'{"id": '  # json.dumps of a record dict starts so (its first key is "id")
@@ -147,25 +149,64 @@ def prompt_samples(data_cfg: Any, tokenizer: Any, split: str = "train", max_prom
 
 # --- training side -------------------------------------------------------------------------------------------------
 
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Trajectory records of `path` (dropped ones excluded); a malformed line raises ValueError naming it."""
+def read_records(path: str | Path, vocab_size: int | None = None) -> list[dict[str, Any]]:
+    """Trajectory records of `path` (dropped ones excluded). A line that is not a record (malformed JSON, a missing
+    or mistyped field, a token id outside [0, vocab_size)) raises DataError "<file>:<line>: <reason>". UTF-8 with or
+    without a byte-order mark, LF or CRLF line ends."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: trajectory file not found (write it with `python -m data.jacobi`)")
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            blocks = record["blocks"]
-            if any(len({len(s) for s in b["states"]}) != 1 for b in blocks):
-                raise ValueError("states of one block differ in length")
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: line {number}: not a trajectory record ({e})") from None
-        if blocks:
+            record = json.loads(line)  # bytes: decoded as UTF-8; a trailing \r is JSON whitespace
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{number}: malformed JSON line: {e.msg} (column {e.colno})") from None
+        except UnicodeDecodeError:
+            raise DataError(f"{path}:{number}: non-UTF-8 bytes") from None
+        problem = record_problem(record, vocab_size)
+        if problem:
+            raise DataError(f"{path}:{number}: not a trajectory record: {problem}")
+        if record["blocks"]:
             records.append(record)
     return records
+
+
+def record_problem(record: Any, vocab_size: int | None) -> str | None:
+    """What makes `record` unusable as a trajectory record (see the module docstring for the format), or None."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    missing = [key for key in ("prompt_ids", "answer_ids", "answer_labels", "blocks") if key not in record]
+    if missing:
+        return f"missing field {missing[0]!r}"
+    if not isinstance(record["blocks"], list):
+        return f"'blocks' must be a list, got {type(record['blocks']).__name__}"
+    sequences = {key: record[key] for key in ("prompt_ids", "answer_ids", "answer_labels")}
+    for j, block in enumerate(record["blocks"]):
+        states = block.get("states") if isinstance(block, dict) else None
+        if not isinstance(states, list) or not states:
+            return f"blocks[{j}] must be an object with a non-empty 'states' list"
+        sequences.update({f"blocks[{j}].states[{k}]": state for k, state in enumerate(states)})
+    for where, ids in sequences.items():
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return f"{where} must be a list of token ids"
+        allowed = (IGNORE_INDEX,) if where == "answer_labels" else ()
+        bad = next((t for t in ids if t not in allowed and (t < 0 or (vocab_size is not None and t >= vocab_size))),
+                   None)
+        if bad is not None:
+            span = f"the tokenizer's vocabulary (0..{vocab_size - 1})" if vocab_size is not None else "0.."
+            return f"token id {bad} in {where} is outside {span}"
+    if not record["prompt_ids"]:
+        return "prompt_ids is empty"
+    if len(record["answer_ids"]) != len(record["answer_labels"]):
+        return "answer_ids and answer_labels differ in length"
+    for j, block in enumerate(record["blocks"]):
+        if len({len(s) for s in block["states"]}) != 1 or not block["states"][0]:
+            return f"blocks[{j}]: states are empty or differ in length"
+    return None
 
 
 class TrajectoryDataset(torch.utils.data.Dataset):

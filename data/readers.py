@@ -7,6 +7,7 @@ Sources (`path`):
     or, when nothing exists at `path`, a hub dataset loaded with `datasets.load_dataset`, written
     "id[:config][@split]" (e.g. "openai/gsm8k:main@test"; the split defaults to the caller's; offline, this works
     from the local `datasets` cache only).
+Files are UTF-8, with or without a byte-order mark, with LF or CRLF line ends.
 Every problem names its place as "<file>:<record>: <reason>" (a .json list that does not parse fails as a whole).
 on_error="raise" stops at the first bad record; on_error="skip" drops bad records and logs one line per source.
 A source with no usable record always raises.
@@ -123,8 +124,10 @@ def _looks_local(path: str) -> bool:
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
-    # surrogateescape keeps invalid bytes as lone surrogates so the bad record, not the whole file, is reported.
-    text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record. surrogateescape
+    # keeps invalid bytes as lone surrogates so the bad record, not the whole file, is reported. CRLF line ends
+    # leave a "\r" that JSON reads as whitespace.
+    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
     if path.suffix != ".jsonl" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)

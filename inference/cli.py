@@ -227,7 +227,7 @@ def read_chat(value: str) -> list[dict[str, str]]:
     path = Path(value)
     where = f"--chat {value}" if len(value) < 60 else "--chat"
     try:
-        text = path.read_text() if path.is_file() else value
+        text = path.read_text(encoding="utf-8-sig") if path.is_file() else value
     except OSError as e:
         raise UsageError(f"{path}: cannot read ({e.strerror})") from None
     try:

@@ -59,6 +59,35 @@ def check_vocab(draft: nn.Module, target: nn.Module) -> None:
         )
 
 
+def check_vocab_files(draft: str, target: str, target_tokenizer: Any, setting: str, trust_remote_code: bool = False
+                      ) -> None:
+    """`check_vocab` from the two models' files, before either loads: the vocabulary sizes in their config.json, and,
+    when the draft has tokenizer files, its token -> id map against `target_tokenizer` (None: sizes only) over the
+    ids the models score. DrafterMismatchError naming `setting` (the key that chose the draft) when they differ."""
+    from models.loading import TOKENIZER_FILES, model_config, resolve_model_path
+
+    draft_vocab = model_config(draft, trust_remote_code).get_text_config().vocab_size
+    target_vocab = model_config(target, trust_remote_code).get_text_config().vocab_size
+    if draft_vocab != target_vocab:
+        raise DrafterMismatchError(
+            f"{setting}: the draft model has a vocabulary of {draft_vocab} tokens but the target {target} has "
+            f"{target_vocab}; a draft model must share the target's tokenizer")
+    folder = Path(resolve_model_path(draft))
+    if target_tokenizer is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    ours, theirs = ({t: i for t, i in tok.get_vocab().items() if i < target_vocab}
+                    for tok in (tokenizer, target_tokenizer))
+    if ours != theirs:
+        token = min(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
+        draft_id, target_id = (f"id {v[token]}" if token in v else "absent" for v in (ours, theirs))
+        raise DrafterMismatchError(
+            f"{setting}: the draft model's tokenizer differs from the target's (token {token!r}: {draft_id} in the "
+            f"draft's, {target_id} in the target's); a draft model must share the target's tokenizer")
+
+
 def branch_choices(branches: int, gamma: int) -> list[tuple[int, ...]]:
     """`branches` candidates at depth 1, each continued as a chain to depth `gamma` (1 branch: a plain chain)."""
     return [(i,) + (0,) * j for i in range(branches) for j in range(gamma)]

@@ -41,7 +41,7 @@ def read_questions(path: str | os.PathLike) -> list[Question]:
         raise UsageError(f"{path}: question file not found (expected JSONL of {{question_id, category, turns}}, or "
                          f"a comma list of prompt sets {', '.join(PROMPT_SETS)}[:N]; pass --questions)")
     questions = []
-    for lineno, record in _records(path, path.read_text(encoding="utf-8").split("\n")):
+    for lineno, record in _records(path, path.read_text(encoding="utf-8-sig").split("\n")):
         if "question_id" not in record:
             raise UsageError(f"{path}:{lineno}: expected an object with 'question_id', 'category', 'turns'")
         turns = record.get("turns")
@@ -78,14 +78,14 @@ def _string_field(path: Path, lineno: int, record: dict[str, Any], key: str) -> 
 
 
 def _gsm8k(path: Path) -> list[Question]:
-    lines = path.read_text(encoding="utf-8").split("\n")
+    lines = path.read_text(encoding="utf-8-sig").split("\n")
     return [Question(f"gsm8k/{i}", "gsm8k", (_string_field(path, lineno, record, "question"),))
             for i, (lineno, record) in enumerate(_records(path, lines))]
 
 
 def _humaneval(path: Path) -> list[Question]:
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
+        with gzip.open(path, "rt", encoding="utf-8-sig") as f:
             lines = f.read().split("\n")
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
         raise UsageError(f"{path}: not a readable gzip file ({e})") from None

@@ -201,7 +201,7 @@ def read_tree_file(path: str | Path) -> list[Path_]:
     """Choices from a JSON file: either a list of paths or {"choices": [...], ...}."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise TreeError(f"{path}: cannot read tree file ({e.strerror})") from None
     except json.JSONDecodeError as e:

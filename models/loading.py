@@ -8,11 +8,14 @@ SmolLM2-135M-Instruct chat model it converts from a GGUF once (models.smollm2); 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -70,6 +73,23 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(tiny.ensure_built(name))
 
 
+def model_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    """A model's config from its config.json alone (no weights): for checks that must run before anything loads.
+    ModelLoadError naming the model when it cannot be read."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_path)
+    _check_reachable(path, needs=("config.json",))
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision is not None:
+        kwargs["revision"] = revision
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ModelLoadError(f"cannot read the config of model {name_or_path!r}: {first}") from None
+
+
 def _check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
     """Fail early with one line when a path-looking string does not exist (instead of a hub lookup traceback), or
     when a local directory holds none of the files `needs` lists."""
@@ -106,7 +126,7 @@ def resolve_device_map(device_map: Any) -> Any:
 
 def _read_device_map_file(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise ModelLoadError(f"device_map {path}: cannot read ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -158,6 +178,68 @@ def quantization_config(quantization: str | None, double_quant: bool, compute_dt
     )
 
 
+# bitsandbytes' 4-bit layout on CPU: one absmax per 64 consecutive input values of a row (Params4bit's default
+# blocksize), and, on CPUs with AVX-512-bf16, weights repacked in blocks of 32 output rows on the first no-grad
+# forward (`_convert_weight_packed_for_cpu`), which fails for any other shape.
+NF4_BLOCK = 64
+NF4_CPU_ROW_BLOCK = 32
+
+
+def places_on_cpu(device_map: Any) -> bool:
+    """Whether a resolved device_map (see `resolve_device_map`) puts any weights on the CPU; None means the default
+    placement (the first GPU when there is one)."""
+    if device_map is None or device_map in DEVICE_MAP_STRATEGIES:
+        return not torch.cuda.is_available()
+    if isinstance(device_map, dict):
+        return any(places_on_cpu(device) for device in device_map.values() if device != "disk")
+    if isinstance(device_map, int):
+        return False
+    return torch.device(device_map).type == "cpu"
+
+
+def nf4_layer_problem(name: str, in_features: int, out_features: int) -> str | None:
+    """Why bitsandbytes' CPU backend cannot run a 4-bit Linear of this shape on every x86 CPU, or None."""
+    if in_features % NF4_BLOCK:
+        return f"layer {name} has in_features={in_features}, not a multiple of the {NF4_BLOCK}-value quantisation block"
+    if out_features % NF4_CPU_ROW_BLOCK:
+        return f"layer {name} has out_features={out_features}, not a multiple of {NF4_CPU_ROW_BLOCK}"
+    return None
+
+
+def check_nf4_on_cpu(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> None:
+    """Raise ModelLoadError (one line naming model.quantization, the first bad layer and the block size) when a layer
+    that NF4 quantisation would replace has a shape bitsandbytes' CPU backend cannot handle. Refused on every CPU,
+    not only on AVX-512-bf16 ones where the repacking crashes, so a config behaves the same on any x86 machine.
+    Reads config.json only: the layers are built on the meta device, with transformers' own choice of the modules it
+    leaves unquantised (the output embeddings, ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    path = resolve_model_path(name_or_path)
+    _check_reachable(path, needs=("config.json", "adapter_config.json"))
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision is not None:
+        kwargs["revision"] = revision
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError):
+        return  # from_pretrained reports an unreadable config itself, in load_target
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    skip = AutoHfQuantizer.from_config(quantization_config).get_modules_to_not_convert(
+        model, quantization_config.llm_int8_skip_modules, model._keep_in_fp32_modules)
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and should_convert_module(name, skip):
+            problem = nf4_layer_problem(name, module.in_features, module.out_features)
+            if problem:
+                raise ModelLoadError(
+                    f"model.quantization=nf4: {name_or_path}: {problem}; bitsandbytes' CPU backend needs in_features "
+                    f"in multiples of {NF4_BLOCK} and out_features in multiples of {NF4_CPU_ROW_BLOCK}: load this "
+                    f"model unquantised (model.quantization=none)")
+
+
 def load_target(
     name_or_path: str,
     dtype: str = "bf16",
@@ -202,6 +284,8 @@ def load_target(
         kwargs["quantization_config"] = quant
         default = "cuda:0" if torch.cuda.is_available() else "cpu"
         kwargs["device_map"] = device_map if device_map is not None else default
+        if places_on_cpu(kwargs["device_map"]):
+            check_nf4_on_cpu(name_or_path, trust_remote_code, revision)
     elif device_map is not None:
         kwargs["device_map"] = device_map
     if tp_plan is not None:
@@ -215,9 +299,18 @@ def load_target(
     except (OSError, ValueError) as e:  # missing files; unrecognised config, unsupported attention or quantization
         first = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {first}") from None
+    if quant is not None and places_on_cpu(kwargs["device_map"]):
+        log.info("model.quantization=nf4 on CPU: %s", nf4_cpu_path(model))
     if frozen:
         model.eval().requires_grad_(False)
     return model
+
+
+def nf4_cpu_path(model: torch.nn.Module) -> str:
+    """Which of bitsandbytes' two CPU code paths the model's 4-bit layers take (each layer decides when it is built)."""
+    if any(getattr(m, "support_avx512bf16_for_cpu", False) for m in model.modules()):
+        return "packed AVX-512-bf16 kernels (weights repacked on the first no-grad forward)"
+    return "dequantise-then-matmul (no AVX-512-bf16)"
 
 
 def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False):

@@ -34,7 +34,7 @@ from models.checkpoint import CheckpointError, DrafterMismatchError, check_compa
 from models.loading import ModelLoadError, load_target, load_tokenizer
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import DataCfg, tiny_tokenizer
-from tests.model_support import save_tiny_model
+from tests.model_support import save_tiny_model, tiny_config
 from train.base import resolve_resume
 from train.cli import UsageError, parse, user_errors
 from train.config import register_configs
@@ -74,6 +74,72 @@ def cli(*overrides: str, method: str = "medusa1") -> Callable[[Workspace], Any]:
         return parse([method, "+model=tiny", *(o.format(tmp=ws.tmp) for o in overrides)])
 
     return call
+
+
+def composed(method: str, *overrides: str):
+    """The run's config, as `python -m train <method> +model=tiny <overrides>` composes it."""
+    from hydra import compose, initialize_config_module
+
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose(config_name="train", overrides=[f"method={method}", "+model=tiny", *overrides])
+
+
+def trajectories(file: str) -> Callable[[Workspace], Any]:
+    """What `python -m train cllm` checks before the target loads: every trajectory record, against the tokenizer."""
+    def call(ws: Workspace):
+        from train.cllm import Method
+
+        return Method(composed("cllm", f"method.trajectories={CASES_DIR / file}")).datasets(tokenizer())
+
+    return call
+
+
+def copied_model(ws: Workspace) -> Path:
+    return Path(shutil.copytree(ws.model, ws.tmp / "model"))
+
+
+def two_head_run(out: Path, *overrides: str) -> Path:
+    """An output_dir holding a trainer checkpoint of a 2-head medusa1 run (config `overrides`); returns it."""
+    from omegaconf import OmegaConf
+
+    saved = composed("medusa1", "method.num_heads=2", f"output_dir={out}", *overrides)
+    checkpoint = save_drafter(out / "checkpoints" / "checkpoint-4", tiny_heads(num_heads=2), saved.model.path,
+                              extra={"config": OmegaConf.to_container(saved, resolve=True), "global_step": 4})
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 4}')
+    return out
+
+
+def resume_with_other_heads(ws: Workspace):
+    """A run resumed (training.resume_from_checkpoint=auto) into an output_dir whose checkpoint has 2 heads, with
+    method.num_heads=3: refused from the checkpoint's config.json, before any model loads."""
+    from train.base import check_resume
+
+    out = two_head_run(ws.tmp / "run")
+    cfg = composed("medusa1", "method.num_heads=3", f"output_dir={out}", "training.resume_from_checkpoint=auto")
+    return check_resume(cfg, Path(resolve_resume("auto", out / "checkpoints")))
+
+
+def draft_files(make: Callable[[Path], None]) -> Callable[[Workspace], Any]:
+    """`python -m train distill` with a draft whose files `make` writes: checked against the target's files before
+    any model loads or the target self-distils."""
+    def call(ws: Workspace):
+        from train.distill import Method
+
+        draft = ws.tmp / "draft"
+        make(draft)
+        cfg = composed("distill", f"model.path={copied_model(ws)}", f"method.draft={draft}", "data.self_distill=true")
+        return Method(cfg).check_inputs(tokenizer())
+
+    return call
+
+
+def heads_for_another_base(ws: Workspace):
+    from train.medusa2 import Method
+
+    heads = save_drafter(ws.tmp / "h", tiny_heads(vocab_size=50), "base-a")
+    return Method(composed("medusa2", f"model.path={copied_model(ws)}", f"method.init_heads={heads}")).check_inputs(
+        tokenizer())
 
 
 def damaged_model(damage: Callable[[Path], None], load: Callable = load_target) -> Callable[[Workspace], Any]:
@@ -208,8 +274,45 @@ CASES = [
     Case("unknown-on-nonfinite", cli("training.on_nonfinite=ignore"), UsageError,
          r"training.on_nonfinite=ignore: choose one of stop, skip"),
     Case("zero-heads", cli("method.num_heads=0"), UsageError, r"method.num_heads=0: must be >= 1"),
+    # every numeric key has a range (train.config.RANGES); these are the issue's
+    Case("negative-medusa-decay", cli("method.decay=-1"), UsageError, r"method.decay=-1.0: must be in \(0, 1\]"),
+    Case("negative-max-steps", cli("training.max_steps=-5"), UsageError,
+         r"training.max_steps=-5: must be >= 1, or -1 to train for training.num_train_epochs"),
+    Case("nan-learning-rate", cli("training.learning_rate=nan"), UsageError,
+         r"training.learning_rate=nan: must be > 0"),
+    Case("negative-seed", cli("seed=-1"), UsageError, r"seed=-1: must be in \[0, 4294967295\]"),
+    Case("zero-self-distill-tokens", cli("data.self_distill_new_tokens=0"), UsageError,
+         r"data.self_distill_new_tokens=0: must be >= 1"),
+    Case("distill-beta-one", cli("method.jsd_beta=1", method="distill"), UsageError,
+         r"method.jsd_beta=1.0: must be in \(0, 1\)"),
+    Case("stopper-draft-too-long", cli("method.max_gamma=64", method="stopper"), UsageError,
+         r"method.max_gamma=64: must be in \[2, 32\]"),
     Case("output-dir-under-a-file", lambda ws: (ws.tmp / "file").write_text("x") and cli("output_dir={tmp}/file/run")(ws),
          UsageError, r"output_dir={tmp}/file/run: {tmp}/file is a file, not a directory"),
+    # --- CLLM trajectories (exit 1, before the target loads) ---
+    Case("trajectory-malformed-json", trajectories("trajectory_malformed.jsonl"), DataError,
+         r"{cases}/trajectory_malformed.jsonl:2: malformed JSON line: Expecting ',' delimiter \(column 162\)"),
+    Case("trajectory-missing-field", trajectories("trajectory_missing_field.jsonl"), DataError,
+         r"{cases}/trajectory_missing_field.jsonl:2: not a trajectory record: missing field 'prompt_ids'"),
+    Case("trajectory-token-out-of-vocab", trajectories("trajectory_token_out_of_vocab.jsonl"), DataError,
+         r"{cases}/trajectory_token_out_of_vocab.jsonl:3: not a trajectory record: token id 4000 in "
+         r"blocks\[0\].states\[1\] is outside the tokenizer's vocabulary \(0..399\)"),
+    # --- cross-file checks (exit 1, before any model loads) ---
+    Case("resume-with-another-head-count", resume_with_other_heads, CheckpointError,
+         r"{tmp}/run/checkpoints/checkpoint-4 was trained with method.num_heads=2, this run has method.num_heads=3: "
+         r"pass method.num_heads=2 to resume it, or choose another output_dir"),
+    Case("draft-with-another-vocab-size",
+         draft_files(lambda p: tiny_config(vocab_size=512).save_pretrained(p)), DrafterMismatchError,
+         r"method.draft={tmp}/draft: the draft model has a vocabulary of 512 tokens but the target {tmp}/model has "
+         r"400; a draft model must share the target's tokenizer"),
+    Case("draft-with-another-tokenizer",
+         draft_files(lambda p: (tiny_config(vocab_size=400).save_pretrained(p),
+                                tiny_tokenizer(metaspace=True).save_pretrained(p))), DrafterMismatchError,
+         r"method.draft={tmp}/draft: the draft model's tokenizer differs from the target's \(token '\\n': id 8 in the "
+         r"draft's, absent in the target's\); a draft model must share the target's tokenizer"),
+    Case("init-heads-for-another-base", heads_for_another_base, DrafterMismatchError,
+         r"method.init_heads={tmp}/h: drafter vocab_size=50 does not match {tmp}/model vocab_size=400; the heads were "
+         r"trained for base-a"),
     # --- target model (exit 1) ---
     Case("model-path-missing", lambda ws: load_target(str(ws.tmp / "nope")), ModelLoadError,
          r"model path '{tmp}/nope' does not exist"),
@@ -223,6 +326,12 @@ CASES = [
     Case("model-without-tokenizer",
          damaged_model(lambda p: [f.unlink() for f in p.glob("tokenizer*")], load=load_tokenizer), ModelLoadError,
          r"model path '{tmp}/model' has no tokenizer.json or tokenizer_config.json or tokenizer.model or vocab.json"),
+    Case("nf4-layer-narrower-than-block",
+         lambda ws: load_target(str(shutil.copytree(ws.model, ws.tmp / "model")), dtype="bf16", quantization="nf4",
+                                device_map="cpu"), ModelLoadError,
+         r"model.quantization=nf4: {tmp}/model: layer model.layers.0.self_attn.q_proj has in_features=32, not a "
+         r"multiple of the 64-value quantisation block; bitsandbytes' CPU backend needs in_features in multiples of "
+         r"64 and out_features in multiples of 32: load this model unquantised \(model.quantization=none\)"),
     # --- drafter checkpoints ---
     Case("heads-config-truncated", damaged_heads(lambda p: truncate(p / "config.json")), CheckpointError,
          r"{tmp}/heads/config.json: not valid JSON \(.*\)"),
@@ -316,6 +425,57 @@ def test_cli_exit_codes_and_single_line(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert lines == ["error: unknown config key 'training.lerning_rate'; did you mean 'training.learning_rate'?"], lines
     assert not out.exists()
+
+
+def entry_point_errors(ws: Workspace) -> dict[str, tuple[list[str], int, str]]:
+    """User errors at the entry points: id -> (argv after `python`, exit code, text of the one error line). Each
+    is refused before any model loads, so none writes to its output_dir but Hydra's own log."""
+    model = str(ws.model)
+    draft = ws.tmp / "draft"
+    tiny_config(vocab_size=512).save_pretrained(draft)
+    resumed = ws.tmp / "resumed"
+    run = ["-m", "train", "medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "logger=none"]
+    return {
+        "negative-decay": ([*run, "method.decay=-1", f"output_dir={ws.tmp / 'decay'}"], 2,
+                           "method.decay=-1.0: must be in (0, 1]"),
+        "bad-trajectories": (["-m", "train", "cllm", "+model=tiny", f"model.path={model}", "logger=none",
+                              f"method.trajectories={CASES_DIR / 'trajectory_token_out_of_vocab.jsonl'}",
+                              f"output_dir={ws.tmp / 'cllm'}"], 1, "trajectory_token_out_of_vocab.jsonl:3: "),
+        "draft-vocab-before-self-distillation": (
+            ["-m", "train", "distill", "+model=tiny", f"model.path={model}", f"method.draft={draft}", "logger=none",
+             "data.self_distill=true", "data.self_distill_samples=2", f"output_dir={ws.tmp / 'distill'}"], 1,
+            "the draft model has a vocabulary of 512 tokens"),
+        "resume-other-head-count": ([*run, "method.num_heads=3", "training.resume_from_checkpoint=auto",
+                                     f"output_dir={resumed}"], 1, "was trained with method.num_heads=2"),
+        "inference-nf4-narrow-layers": (["-m", "inference", "generate", "--base", model, "--quantization", "nf4",
+                                         "--prompt", "hi", "--device", "cpu"], 2,
+                                        "in_features=32, not a multiple of the 64-value quantisation block"),
+    }
+
+
+ENTRY_POINT_CASES = ["negative-decay", "bad-trajectories", "draft-vocab-before-self-distillation",
+                     "resume-other-head-count", "inference-nf4-narrow-layers"]
+
+
+@pytest.mark.parametrize("case", ENTRY_POINT_CASES)
+def test_entry_points_refuse_user_errors_in_one_line_without_traceback(case, saved_model, tmp_path):
+    ws = Workspace(tmp=tmp_path, model=saved_model)
+    argv, code, needle = entry_point_errors(ws)[case]
+    if case == "resume-other-head-count":
+        two_head_run(tmp_path / "resumed", f"model.path={saved_model}", "model.dtype=fp32", "logger=none")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    output = result.stdout + result.stderr
+    assert result.returncode == code, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert "Loading weights" not in output  # refused before any model loaded
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert {p: b for p, b in after.items() if p in before} == before  # nothing overwritten
+    new = [p.relative_to(tmp_path) for p in after if p not in before]
+    assert all(".hydra" in p.parts or p.name == "train.log" for p in new), new  # no data generated, no checkpoint
 
 
 # --- storage failures: one line, and no half-written output ---

@@ -191,3 +191,11 @@ def test_done_ids_refuses_other_files_and_leaves_them_alone(tmp_path, text):
     with pytest.raises(ValueError, match="not a trajectory record"):
         done_ids(path)
     assert path.read_text() == text
+
+
+def test_trajectories_read_with_a_byte_order_mark_and_crlf_line_ends(tmp_path):
+    from data.jacobi import read_records
+
+    path = tmp_path / "traj.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in RECORDS).encode())
+    assert read_records(path, vocab_size=1000) == [r for r in RECORDS if r["blocks"]]

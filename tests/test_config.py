@@ -100,3 +100,81 @@ def test_cfg_job_prints_config_without_network(tmp_path):
     assert printed.model.path == "lmsys/vicuna-7b-v1.3"
     assert printed.method.num_heads == 5
     assert not (tmp_path / "outputs").exists()
+
+
+def numeric_fields(schema: type) -> list[str]:
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    numeric = (int, float, typing.Optional[int], typing.Optional[float])
+    return [f.name for f in dataclasses.fields(schema) if hints[f.name] in numeric]
+
+
+def test_every_numeric_key_has_a_range():
+    from train.config import METHOD_SCHEMAS, RANGES, DataConfig, EvalConfig, TrainConfig, TrainingConfig
+
+    for schema in (TrainConfig, DataConfig, TrainingConfig, EvalConfig, *METHOD_SCHEMAS.values()):
+        assert sorted(RANGES.get(schema, {})) == sorted(numeric_fields(schema)), schema.__name__
+
+
+@pytest.mark.parametrize("method", available("method"))
+def test_shipped_configs_are_in_range(method):
+    from train.config import out_of_range
+
+    overrides = [["+model=tiny"], ["+model=vicuna7b"]] + [["+model=tiny", f"data={d}"] for d in available("data")]
+    for extra in overrides if method == "medusa1" else overrides[:2]:
+        assert out_of_range(composed(f"method={method}", *extra)) is None, extra
+
+
+def test_stopper_draft_length_bound_is_the_engines():
+    from inference.draft_model import MAX_GAMMA
+    from train.config import MAX_DRAFT_TOKENS
+
+    assert MAX_DRAFT_TOKENS == MAX_GAMMA
+
+
+@pytest.mark.parametrize("method,override,message", [
+    ("medusa1", "method.decay=-1", "method.decay=-1.0: must be in (0, 1]"),
+    ("medusa1", "method.decay=1.5", "method.decay=1.5: must be in (0, 1]"),
+    ("medusa2", "method.decay=0", "method.decay=0.0: must be in (0, 1]"),
+    ("medusa1", "training.max_steps=-5", "training.max_steps=-5: must be >= 1, or -1 to train for "
+                                         "training.num_train_epochs"),
+    ("medusa1", "training.max_steps=0", "training.max_steps=0: must be >= 1, or -1 to train for "
+                                        "training.num_train_epochs"),
+    ("medusa1", "training.learning_rate=nan", "training.learning_rate=nan: must be > 0"),
+    ("medusa1", "training.warmup_steps=-0.1", "training.warmup_steps=-0.1: must be >= 0"),
+    ("medusa1", "training.eval_steps=0", "training.eval_steps=0: must be >= 1 or null"),
+    ("medusa1", "data.validation_fraction=1", "data.validation_fraction=1.0: must be in [0, 1)"),
+    ("medusa1", "data.seed=-3", "data.seed=-3: must be in [0, 4294967295]"),
+    ("medusa1", "seed=-1", "seed=-1: must be in [0, 4294967295]"),
+    ("medusa1", "eval.greedy_new_tokens=0", "eval.greedy_new_tokens=0: must be >= 1"),
+    ("medusa2", "method.lora_dropout=1", "method.lora_dropout=1.0: must be in [0, 1)"),
+    ("medusa2", "method.heads_lr_multiplier=0", "method.heads_lr_multiplier=0.0: must be > 0"),
+    ("cllm", "method.block_size=0", "method.block_size=0: must be >= 1 or null"),
+    ("cllm", "method.ar_weight=-1", "method.ar_weight=-1.0: must be >= 0"),
+    ("distill", "method.jsd_beta=1", "method.jsd_beta=1.0: must be in (0, 1)"),
+    ("distill", "method.temperature=inf", "method.temperature=inf: must be > 0"),
+    ("stopper", "method.max_gamma=33", "method.max_gamma=33: must be in [2, 32]"),
+    ("stopper", "method.draft_cost=-0.5", "method.draft_cost=-0.5: must be >= 0 or null"),
+])
+def test_out_of_range_values_name_the_key_and_the_range(method, override, message):
+    with pytest.raises(UsageError) as info:
+        parse([method, "+model=tiny", override])
+    assert str(info.value) == message
+
+
+def test_in_range_edges_and_the_epochs_sentinel_pass():
+    for override in ("training.max_steps=-1", "method.decay=1", "training.max_grad_norm=0", "eval.greedy_prompts=0",
+                     "data.validation_fraction=0", "method.lm_weight=-1"):
+        parse(["medusa2" if "lm_weight" in override else "medusa1", "+model=tiny", override])
+
+
+def test_a_multirun_job_checks_its_own_values(tmp_path, monkeypatch):
+    """`-m method.decay=0.8,-1` skips the check before Hydra: each job's run() refuses its own bad value."""
+    from train.base import run
+
+    cfg = composed("method=medusa1", "+model=tiny", "method.decay=-1", f"output_dir={tmp_path / 'out'}")
+    with pytest.raises(UsageError, match=r"^method.decay=-1.0: must be in \(0, 1\]$"):
+        run(cfg)
+    assert not (tmp_path / "out").exists()

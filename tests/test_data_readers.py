@@ -33,6 +33,28 @@ def test_sharegpt_jsonl_numbers_records_by_line():
     assert result.conversations[1] == _msgs((U, "Translate to French: hello"), (A, "bonjour"))
 
 
+@pytest.mark.parametrize("name", ["sharegpt.json", "sharegpt.jsonl"])
+def test_byte_order_mark_and_crlf_line_ends_read_like_plain_utf8(tmp_path, name):
+    """Windows editors save UTF-8 with a BOM and CRLF line ends: the same records, numbered the same way."""
+    plain = read_conversations(FIXTURES / name, "sharegpt")
+    text = (FIXTURES / name).read_text(encoding="utf-8")
+    assert not text.startswith("\ufeff") and "\r" not in text
+    windows = tmp_path / name
+    windows.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8"))
+    result = read_conversations(windows, "sharegpt")
+    assert result.conversations == plain.conversations and result.skipped == 0
+    assert [s.rsplit(":", 1)[1] for s in result.sources] == [s.rsplit(":", 1)[1] for s in plain.sources]
+    assert not any("\r" in m["content"] or "\ufeff" in m["content"] for c in result.conversations for m in c)
+
+
+def test_byte_order_mark_does_not_hide_a_bad_first_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xef\xbb\xbf{"conversations": [}\r\n')
+    # column 20 is the "}" counted from the first character after the mark
+    with pytest.raises(DataError, match=rf"^{bad}:1: malformed JSON line: Expecting value \(column 20\)$"):
+        read_conversations(bad, "sharegpt")
+
+
 def test_directory_reads_json_files_in_name_order(tmp_path):
     (tmp_path / "b.jsonl").write_bytes((FIXTURES / "sharegpt.jsonl").read_bytes())
     (tmp_path / "a.json").write_bytes((FIXTURES / "sharegpt.json").read_bytes())

@@ -238,6 +238,23 @@ def test_read_questions_names_the_line(tmp_path):
     assert read_questions(path)[0].turns == tuple(QUESTIONS[1]["turns"])
 
 
+def test_input_files_with_a_byte_order_mark_and_crlf_read_like_plain_utf8(tmp_path):
+    from inference.cli import read_chat
+    from inference.tree import read_tree_file
+    from models.loading import resolve_device_map
+
+    def windows(name: str, text: str) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8"))
+        return path
+
+    questions = windows("q.jsonl", "\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    assert [q.turns for q in read_questions(questions)] == [tuple(q["turns"]) for q in QUESTIONS]
+    assert read_tree_file(windows("tree.json", '{"choices": [\n  [0],\n  [0, 0]\n]}\n')) == [[0], [0, 0]]
+    assert resolve_device_map(str(windows("map.json", '{\n  "": "cpu"\n}\n'))) == {"": "cpu"}
+    assert read_chat(str(windows("chat.json", '["hi",\n "hello"]\n')))[0] == {"role": "user", "content": "hi"}
+
+
 def turn(tokens, wall, forwards, accepted, forward_s=None):
     times = None if forward_s is None else StepTimes(0.0, 0.0, forward_s, 0.0, 0.0, 0.0)
     return TurnResult(tuple(tokens), "", wall, forwards, tuple(accepted), times)

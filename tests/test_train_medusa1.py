@@ -22,6 +22,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def nf4_model_dir(tmp_path_factory) -> Path:
+    """Hidden 64: every 4-bit layer's width is a multiple of bitsandbytes' 64-value quantisation block."""
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "llama64", hidden_size=64)
+
+
+@pytest.fixture(scope="module")
 def sharegpt_file(tmp_path_factory) -> Path:
     g = torch.Generator().manual_seed(0)
     pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
@@ -32,9 +38,15 @@ def sharegpt_file(tmp_path_factory) -> Path:
     return path
 
 
-def train(model_dir: Path, data: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
+# `python -m train` with bitsandbytes' dequantise-then-matmul CPU path forced (see tests/test_nf4_cpu.py).
+WITHOUT_AVX512BF16 = ("-c", "import runpy, bitsandbytes.nn.modules as m; m.has_avx512bf16 = lambda: False; "
+                            "runpy.run_module('train', run_name='__main__', alter_sys=True)")
+
+
+def train(model_dir: Path, data: Path, out: Path, *overrides: str, launcher: tuple[str, ...] = ("-m", "train")
+          ) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
+        sys.executable, *launcher, "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
         "data.self_distill=false", "data=sharegpt", f"data.path={data}", "data.max_length=64", "data.validation_fraction=0.25",
         "training.max_steps=3", "training.per_device_train_batch_size=2", "training.logging_steps=1",
         "method.num_heads=2", "eval.greedy_prompts=2", "eval.greedy_new_tokens=6", "logger=none", f"output_dir={out}",
@@ -79,13 +91,34 @@ def test_few_steps_write_a_loadable_checkpoint(tiny_model_dir, sharegpt_file, tm
     assert isinstance(plain.drafter, NoDrafter)
 
 
-def test_nf4_backbone(tiny_model_dir, sharegpt_file, tmp_path):
+@pytest.mark.parametrize("cpu_path", ["native", "dequantise"])
+def test_nf4_backbone(nf4_model_dir, sharegpt_file, tmp_path, cpu_path):
+    """Both of bitsandbytes' CPU paths train: this CPU's own (packed on AVX-512-bf16, else dequantise-then-matmul)
+    and the dequantise path forced."""
     pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import has_avx512bf16
+
     out = tmp_path / "nf4"
-    assert_ok(train(tiny_model_dir, sharegpt_file, out, "model.quantization=nf4", "model.dtype=bf16"))
+    launcher = WITHOUT_AVX512BF16 if cpu_path == "dequantise" else ("-m", "train")
+    result = train(nf4_model_dir, sharegpt_file, out, "model.quantization=nf4", "model.dtype=bf16", launcher=launcher)
+    assert_ok(result)
+    packed = cpu_path == "native" and has_avx512bf16()
+    expected = "packed AVX-512-bf16 kernels" if packed else "dequantise-then-matmul"
+    assert f"model.quantization=nf4 on CPU: {expected}" in result.stdout + result.stderr
     loaded = load_drafter(out)
     assert loaded.config["training"]["config"]["model"]["quantization"] == "nf4"
+    assert loaded.config["training"]["global_step"] == 3
+    assert 0.0 <= loaded.config["training"]["metrics"]["eval_greedy_head1_top1"] <= 1.0
     assert torch.isfinite(torch.cat([p.flatten() for p in loaded.heads.parameters()])).all()
+    assert any(b.linear.weight.abs().sum() > 0 for h in loaded.heads.heads for b in h.blocks)
+
+
+def test_nf4_backbone_narrower_than_the_block_is_refused_before_loading(tiny_model_dir, sharegpt_file, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    result = train(tiny_model_dir, sharegpt_file, tmp_path / "nf4", "model.quantization=nf4", "model.dtype=bf16")
+    assert_one_line_error(result, "model.quantization=nf4: ")
+    assert "in_features=32, not a multiple of the 64-value quantisation block" in result.stderr
+    assert "Loading weights" not in result.stderr and not (tmp_path / "nf4" / "config.json").exists()
 
 
 def test_resume_auto_continues_from_newest_checkpoint(tiny_model_dir, sharegpt_file, tmp_path):

@@ -30,6 +30,12 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
+@pytest.fixture(scope="module")
+def nf4_model_dir(tmp_path_factory) -> Path:
+    """Hidden 64: every 4-bit layer's width is a multiple of bitsandbytes' 64-value quantisation block."""
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "llama64", hidden_size=64)
+
+
 def chats(n: int, seed: int = 0) -> list[list[dict]]:
     g = torch.Generator().manual_seed(seed)
     pick = lambda k: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (k,), generator=g).tolist())  # noqa: E731
@@ -65,12 +71,12 @@ def build(model_dir: Path, *overrides: str, dtype: str = "fp32", quantization: s
     return method, model, tokenizer
 
 
-def test_guard_keeps_qlora_trainable(model_dir):
+def test_guard_keeps_qlora_trainable(nf4_model_dir):
     """No forward of the guard, the evaluation or the KL teacher runs a Linear4bit layer in the mode that repacks its
     weight (eval mode, input without grad); afterwards a training step still reaches every LoRA layer. With fresh
     adapters (B = 0) the backbone IS the original: the guard must report identical numbers."""
     bnb = pytest.importorskip("bitsandbytes")
-    method, model, tokenizer = build(model_dir, "method.lm_loss=kl", dtype="bf16", quantization="nf4")
+    method, model, tokenizer = build(nf4_model_dir, "method.lm_loss=kl", dtype="bf16", quantization="nf4")
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     repack_mode = []
     for layer in layers:
@@ -195,11 +201,12 @@ def test_lora_two_stages_with_self_distillation_loss(model_dir, sharegpt_file, t
     assert "'lm_kl'" in result.stdout + result.stderr
 
 
-def test_qlora_evaluates_midway_keeps_training_and_merges(model_dir, sharegpt_file, tmp_path):
+def test_qlora_evaluates_midway_keeps_training_and_merges(nf4_model_dir, sharegpt_file, tmp_path):
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "qlora"
-    result = train(model_dir, sharegpt_file, out, "model.quantization=nf4", "model.dtype=bf16", "training.eval_steps=2",
-                   "training.save_steps=1", "method.merge_adapter=true", "training.learning_rate=1e-2")
+    result = train(nf4_model_dir, sharegpt_file, out, "model.quantization=nf4", "model.dtype=bf16",
+                   "training.eval_steps=2", "training.save_steps=1", "method.merge_adapter=true",
+                   "training.learning_rate=1e-2")
     assert_ok(result)
     # Step 3 ran after the step-2 evaluation: every LoRA layer still moved.
     before = load_file(str(out / "checkpoints" / "checkpoint-2" / "adapter" / "adapter_model.safetensors"))

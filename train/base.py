@@ -80,6 +80,14 @@ class CountsLabels(Protocol):
 
 
 @runtime_checkable
+class ChecksInputs(Protocol):
+    """A method whose inputs span several files (a draft model against the target, heads against the base): checked
+    from the files, before any model loads or any data is generated."""
+
+    def check_inputs(self, tokenizer: Any) -> None: ...
+
+
+@runtime_checkable
 class Standalone(Protocol):
     """A method that runs its own loop (e.g. the stopper's trace collection and L-BFGS fit), not the HF Trainer."""
 
@@ -289,6 +297,47 @@ def resolve_resume(setting: str | None, checkpoints_dir: Path) -> str | None:
     return None
 
 
+def check_resume(cfg: DictConfig, checkpoint: Path) -> None:
+    """Refuse, in one line and before any model loads, to resume a trainer checkpoint written with other values of
+    the keys that fix what it holds (train.config.RESUME_KEYS); a checkpoint without a recorded config passes (its
+    weights then fail to load with their own message)."""
+    from models.checkpoint import CheckpointError, read_drafter_config
+    from train.config import RESUME_KEYS
+
+    saved = read_drafter_config(checkpoint).get("training", {}).get("config")
+    if not isinstance(saved, dict):
+        return
+    current = OmegaConf.to_container(cfg, resolve=True)
+    for key in RESUME_KEYS.get(cfg.method.name, ()):
+        old, new = _lookup(saved, key), _lookup(current, key)
+        if old != new and not (key == "model.path" and _same_directory(old, new)):
+            raise CheckpointError(
+                f"{checkpoint} was trained with {key}={_override_value(old)}, this run has {key}="
+                f"{_override_value(new)}: pass {key}={_override_value(old)} to resume it, or choose another output_dir")
+
+
+def _lookup(config: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def _same_directory(a: Any, b: Any) -> bool:
+    paths = [Path(str(p)).expanduser() for p in (a, b)]
+    return all(p.is_dir() for p in paths) and paths[0].resolve() == paths[1].resolve()
+
+
+def _override_value(value: Any) -> str:
+    """How the value is written on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    return str(value)
+
+
 def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[str, Any] | None = None) -> TrainingArguments:
     """`deepspeed`: a resolved DeepSpeed dict (train.distributed.deepspeed_settings) or None. Under ZeRO-3, build the
     arguments before loading the target: from_pretrained partitions it only while they are alive."""
@@ -377,22 +426,38 @@ def self_distilled_train(cfg: DictConfig, target: nn.Module, tokenizer, args: Tr
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    """Hydra task: set up, train, evaluate, save. Returns the final metrics."""
+    """Hydra task: set up, train, evaluate, save. Returns the final metrics.
+
+    Everything a user gave is checked before the expensive work: values and combinations, the resumed checkpoint
+    against this config, the 4-bit layers' shapes, cross-file inputs (ChecksInputs), then every data record; only
+    then does the target load and the data get generated (self-distillation) or trained on."""
     from data.collate import ChatCollator
     from data.datasets import SplitDatasets, build_datasets
-    from models.loading import load_target, load_tokenizer
+    from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
+    from train.cli import check_values
 
+    check_values(cfg)  # again for each job of a multirun, whose values were not checked before Hydra started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
+    method = load_method(cfg)
+    resume = resolve_resume(cfg.training.resume_from_checkpoint, output_dir / TRAINER_CHECKPOINTS)
+    if resume:
+        check_resume(cfg, Path(resume))
     output_dir.mkdir(parents=True, exist_ok=True)
     report_to = configure_logger(cfg)
-    method = load_method(cfg)
     if isinstance(method, Standalone):
         return method.run(cfg)
 
+    deepspeed = deepspeed_settings(cfg)  # checks the combination and reads the target's config only
+    if cfg.model.quantization == "nf4" and places_on_cpu(None):
+        check_nf4_on_cpu(cfg.model.path, cfg.model.trust_remote_code, cfg.model.revision)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.chat_template or cfg.data.chat_template, cfg.model.trust_remote_code)
-    args = training_arguments(cfg, report_to, deepspeed_settings(cfg))  # before the target: ZeRO-3 loads it partitioned
+    if isinstance(method, ChecksInputs):
+        method.check_inputs(tokenizer)
+    own_data = isinstance(method, ProvidesData)
+    datasets = method.datasets(tokenizer) if own_data else build_datasets(cfg.data, tokenizer)
+    args = training_arguments(cfg, report_to, deepspeed)  # before the target: ZeRO-3 loads it partitioned
     target = load_target(
         cfg.model.path,
         dtype=cfg.model.dtype,
@@ -402,8 +467,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
         trust_remote_code=cfg.model.trust_remote_code,
         revision=cfg.model.revision,
     )
-    own_data = isinstance(method, ProvidesData)
-    datasets = method.datasets(tokenizer) if own_data else build_datasets(cfg.data, tokenizer)
     if cfg.data.self_distill and not own_data:
         datasets = SplitDatasets(
             train=self_distilled_train(cfg, target, tokenizer, args, output_dir / SELF_DISTILL_FILE),
@@ -437,7 +500,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
         extra=extra,
         on_nonfinite=cfg.training.on_nonfinite,
     )
-    resume = resolve_resume(cfg.training.resume_from_checkpoint, Path(args.output_dir))
     if resume:
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)

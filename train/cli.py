@@ -120,7 +120,8 @@ def unknown_key_message(key: str, schema_name: str) -> str:
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Settings whose type is right but whose value is not: fail here, naming the key, not deep in the run."""
+    """Settings whose type is right but whose value is not (a choice, a numeric range of train.config.RANGES, ...):
+    fail here, naming the key, not deep in the run. Run before Hydra starts, and again by each job of a multirun."""
     from data.readers import FORMATS
     from models.loading import DTYPES, QUANTIZATIONS
 
@@ -136,10 +137,9 @@ def check_values(cfg: DictConfig) -> None:
         if value not in allowed:
             shown = ", ".join("null" if a is None else a for a in allowed)
             raise UsageError(f"{key}={value}: choose one of {shown}")
-    for key, low in (("method.num_heads", 1), ("method.num_layers", 0), ("method.draft_vocab", 1)):
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < low:
-            raise UsageError(f"{key}={value}: must be >= {low}")
+    problem = schema.out_of_range(cfg)
+    if problem:
+        raise UsageError(problem)
     check_self_distill(cfg)
     check_output_dir(cfg.output_dir)
 
@@ -155,8 +155,6 @@ def check_self_distill(cfg: DictConfig) -> None:
         # Generating through a 4-bit model that is trained afterwards silently kills its gradients on CPU.
         raise UsageError(f"data.self_distill=true with model.quantization=nf4 is only for medusa1 (frozen backbone); "
                          f"for {cfg.method.name} write the data first with scripts/self_distill.py")
-    if cfg.data.self_distill_samples is not None and cfg.data.self_distill_samples < 1:
-        raise UsageError(f"data.self_distill_samples={cfg.data.self_distill_samples}: must be >= 1 or null")
 
 
 def check_output_dir(output_dir: str) -> None:

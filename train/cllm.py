@@ -175,8 +175,10 @@ class Method:
         self.frozen_original: nn.Module | None = None  # ar_loss=kl with full fine-tuning: the KL teacher
 
     def datasets(self, tokenizer: Any) -> SplitTrajectories:
-        """Trajectory records split like chat data: data.validation_fraction of them by a seeded hash of the index."""
-        records = read_records(self.m.trajectories)
+        """Trajectory records split like chat data: data.validation_fraction of them by a seeded hash of the index.
+        Every record is checked first, its token ids against the tokenizer's vocabulary (train.base runs this
+        before the target loads)."""
+        records = read_records(self.m.trajectories, vocab_size=len(tokenizer))
         if not records:
             raise DataError(f"method.trajectories={self.m.trajectories}: no usable records")
         sizes = {len(r["blocks"][0]["states"][0]) for r in records}

@@ -1,8 +1,11 @@
 """Structured config schema. YAML under conf/ sets values; these dataclasses define which keys exist, so a misspelt
-key fails at composition with the key's full name."""
+key fails at composition with the key's full name, and RANGES gives every numeric key its valid values, checked
+(train.cli.check_values) before any model loads or any data is generated."""
 
 from __future__ import annotations
 
+import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -207,6 +210,113 @@ class TrainConfig:
 
 METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config, "cllm": CllmConfig, "distill": DistillConfig,
                   "stopper": StopperConfig}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: from `low` to `high` (None: unbounded; an open end excludes its bound),
+    finite, plus `sentinels` outside that span, each with what it means. Null passes for an Optional field."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    sentinels: tuple[tuple[int, str], ...] = ()
+
+    def contains(self, value: float) -> bool:
+        if any(value == s for s, _ in self.sentinels):
+            return True
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        low, high = (f"{b:g}" if isinstance(b, float) else str(b) for b in (self.low, self.high))
+        if self.low is not None and self.high is not None:
+            text = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {low}"
+        elif self.high is not None:
+            text = f"{'<' if self.high_open else '<='} {high}"
+        else:
+            text = "a finite number"
+        return text + "".join(f", or {s} to {meaning}" for s, meaning in self.sentinels)
+
+
+POSITIVE = Range(1)  # counts and sizes
+NATURAL = Range(0)
+FRACTION = Range(0, 1, high_open=True)  # a share held out: [0, 1)
+PROBABILITY = Range(0, 1)
+SEED = Range(0, 2**32 - 1)  # numpy's seed range (HF set_seed seeds numpy too)
+LORA = {"lora_r": POSITIVE, "lora_alpha": POSITIVE, "lora_dropout": FRACTION}
+HEADS = {"num_heads": POSITIVE, "num_layers": NATURAL, "draft_vocab": POSITIVE,
+         "decay": Range(0, 1, low_open=True)}  # λ^k weights head k's loss: 0 trains nothing, > 1 favours far heads
+MAX_DRAFT_TOKENS = 32  # inference.draft_model.MAX_GAMMA (not imported: the schema loads without torch)
+
+# Every int/float key of every schema, with its valid values (tests/test_config.py checks none is missing).
+RANGES: dict[type, dict[str, Range]] = {
+    TrainConfig: {"seed": SEED},
+    DataConfig: {"validation_fraction": FRACTION, "max_length": POSITIVE, "max_samples": POSITIVE, "seed": SEED,
+                 "self_distill_samples": POSITIVE, "self_distill_new_tokens": POSITIVE,
+                 "self_distill_batch_size": POSITIVE},
+    TrainingConfig: {
+        "per_device_train_batch_size": POSITIVE, "per_device_eval_batch_size": POSITIVE,
+        "gradient_accumulation_steps": POSITIVE, "learning_rate": Range(0, low_open=True), "weight_decay": NATURAL,
+        "warmup_steps": NATURAL, "num_train_epochs": Range(0, low_open=True),
+        # HF Trainer's convention: max_steps <= 0 trains num_train_epochs; only -1 says so on purpose
+        "max_steps": Range(1, sentinels=((-1, "train for training.num_train_epochs"),)),
+        "logging_steps": POSITIVE, "eval_steps": POSITIVE, "save_steps": POSITIVE, "save_total_limit": POSITIVE,
+        "max_grad_norm": NATURAL,  # 0: no clipping
+        "dataloader_num_workers": NATURAL,
+    },
+    EvalConfig: {"greedy_prompts": NATURAL, "greedy_new_tokens": POSITIVE, "max_batches": POSITIVE},
+    Medusa1Config: HEADS,
+    Medusa2Config: {
+        **HEADS, **LORA, "heads_warmup_steps": NATURAL,
+        "lm_weight": Range(),  # λ0 < 0 ascends the LM loss (tests trip the quality guard with it)
+        "heads_weight": NATURAL, "head_schedule_fraction": Range(0, 1, low_open=True),
+        "heads_lr_multiplier": Range(0, low_open=True), "guard_max_ppl_increase": NATURAL,
+    },
+    CllmConfig: {"block_size": POSITIVE, "consistency_weight": NATURAL, "ar_weight": NATURAL, **LORA},
+    DistillConfig: {"jsd_beta": Range(0, 1, low_open=True, high_open=True), "temperature": Range(0, low_open=True),
+                    "on_policy_fraction": PROBABILITY, "max_new_tokens": POSITIVE,
+                    "sample_temperature": Range(0, low_open=True)},
+    StopperConfig: {"max_gamma": Range(2, MAX_DRAFT_TOKENS), "prompts": Range(2),
+                    "validation_fraction": Range(0, 1, low_open=True, high_open=True), "max_new_tokens": POSITIVE,
+                    "batch_size": POSITIVE, "temperature": NATURAL, "hidden": NATURAL, "calibration_prompts": POSITIVE,
+                    "draft_cost": NATURAL},
+}
+
+
+# The keys that fix what a trainer checkpoint of each method holds (module shapes, which modules): resuming one
+# needs the same values (train.base.check_resume), and the same base model.
+_LORA_KEYS = ("method.backbone", "method.lora_r", "method.lora_target_modules")
+_HEAD_KEYS = ("method.num_heads", "method.num_layers", "method.share_lm_head", "method.draft_vocab")
+RESUME_KEYS: dict[str, tuple[str, ...]] = {
+    "medusa1": ("method.name", "model.path", *_HEAD_KEYS),
+    "medusa2": ("method.name", "model.path", *_HEAD_KEYS, *_LORA_KEYS),
+    "cllm": ("method.name", "model.path", *_LORA_KEYS),
+    "distill": ("method.name", "model.path", "method.draft"),
+    "stopper": (),  # fits in one go, never resumes
+}
+
+
+def out_of_range(cfg: Any) -> Optional[str]:
+    """"<key>=<value>: must be ..." for the first numeric key of a composed config outside its Range, else None."""
+    from omegaconf import DictConfig, OmegaConf
+
+    nodes = [("", cfg)] + [(f"{k}.", cfg[k]) for k in cfg if isinstance(cfg[k], DictConfig)]
+    for prefix, node in nodes:
+        schema = OmegaConf.get_type(node)
+        for name, allowed in RANGES.get(schema, {}).items():
+            value = node.get(name)
+            if value is None or allowed.contains(value):
+                continue
+            optional = str(typing.get_type_hints(schema)[name]).startswith("typing.Optional")
+            return f"{prefix}{name}={value}: must be {allowed.describe()}" + (" or null" if optional else "")
+    return None
 
 
 def register_configs() -> None:

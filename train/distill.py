@@ -128,6 +128,14 @@ class Method:
         self.tokenizer: Any = None
         self.initial: nn.Module | None = None  # the draft before training, for the α before/after evaluation
 
+    def check_inputs(self, tokenizer: Any) -> None:
+        """The draft shares the target's vocabulary and tokenizer: from their files, before any model loads or any
+        data is generated (train.base.ChecksInputs)."""
+        from inference.draft_model import check_vocab_files
+
+        check_vocab_files(draft_path(self.m.draft), self.cfg.model.path, tokenizer, f"method.draft={self.m.draft}",
+                          self.cfg.model.trust_remote_code)
+
     def _load_draft(self, frozen: bool) -> nn.Module:
         from models.loading import load_target
 

@@ -26,7 +26,8 @@ from torch.nn import functional as F
 from transformers import TrainerCallback
 
 from models.backbone import final_hidden
-from models.checkpoint import CheckpointError, backbone_folder, check_compatible, load_drafter, save_drafter
+from models.checkpoint import (
+    CheckpointError, DrafterMismatchError, backbone_folder, check_compatible, load_drafter, save_drafter)
 from models.medusa import MedusaHeads
 from train import medusa1
 from train.base import StepOutput
@@ -159,6 +160,24 @@ class Method(medusa1.Method, TrainerCallback):
             heads = self.initial_heads(target)
         options = BackboneOptions.from_config(self.m, self.cfg.model)
         return Medusa2TrainModule(prepare_backbone(target, options), heads)
+
+    def check_inputs(self, tokenizer: Any) -> None:
+        """method.init_heads fits the base model (hidden size, vocabulary): from the files, before any model loads or
+        any data is generated (train.base.ChecksInputs)."""
+        if not self.m.init_heads:
+            return
+        from models.checkpoint import read_drafter_config
+        from models.interop import is_medusa_dir
+        from models.loading import model_config
+
+        if is_medusa_dir(Path(self.m.init_heads)):
+            return  # original-Medusa heads carry no config.json: checked when loaded
+        c = self.cfg.model
+        base = model_config(c.path, c.trust_remote_code, c.revision).get_text_config()
+        try:
+            check_compatible(read_drafter_config(self.m.init_heads), base)
+        except DrafterMismatchError as e:
+            raise DrafterMismatchError(f"method.init_heads={self.m.init_heads}: {e}") from None
 
     def initial_heads(self, target: nn.Module) -> MedusaHeads:
         """Heads of the checkpoint at method.init_heads (stage 1 run separately); its head structure wins."""

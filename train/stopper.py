@@ -133,7 +133,7 @@ class Method:
 
     def run(self, cfg: DictConfig) -> dict[str, float]:
         from inference.api import Engine
-        from inference.draft_model import DraftModelDrafter, check_vocab
+        from inference.draft_model import DraftModelDrafter, check_vocab, check_vocab_files
         from inference.draft_stop import StopTrace
         from models.checkpoint import save_draft_model
         from models.loading import load_target, load_tokenizer
@@ -141,6 +141,8 @@ class Method:
         m = cfg.method
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.chat_template or cfg.data.chat_template,
                                    cfg.model.trust_remote_code)
+        check_vocab_files(resolve_draft(m.draft), cfg.model.path, tokenizer, f"method.draft={m.draft}",
+                          cfg.model.trust_remote_code)  # from the files: before the models load
         kwargs = dict(attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         target = load_target(cfg.model.path, dtype=cfg.model.dtype, quantization=cfg.model.quantization,
                              double_quant=cfg.model.double_quant, revision=cfg.model.revision, **kwargs)

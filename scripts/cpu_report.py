@@ -1,0 +1,76 @@
+"""What CPU this is, as the figures and the 4-bit code paths depend on it: prints a few lines for CI logs.
+
+    python scripts/cpu_report.py
+
+The CPU model and its vector/matrix flags (lscpu, else /proc/cpuinfo), torch's choice of kernels (its ATen CPU
+capability, BLAS/oneDNN build, what it detects), and which of bitsandbytes' two CPU 4-bit paths NF4 layers take.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+RELEVANT_PREFIXES = ("avx512", "amx")
+RELEVANT_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni")
+
+
+def cpu_fields() -> tuple[str, list[str]]:
+    """(model name, flags) from `lscpu`, else /proc/cpuinfo; ("unknown", []) when neither says."""
+    text = ""
+    if shutil.which("lscpu"):
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}).stdout
+    fields = dict(re.findall(r"^(Model name|Flags):\s*(.*)$", text, re.M))
+    if not fields and Path("/proc/cpuinfo").is_file():
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        found = dict(re.findall(r"^(model name|flags)\s*:\s*(.*)$", cpuinfo, re.M))
+        fields = {"Model name": found.get("model name", ""), "Flags": found.get("flags", "")}
+    return fields.get("Model name") or "unknown", fields.get("Flags", "").split()
+
+
+def relevant(flags: list[str]) -> list[str]:
+    return [f for f in flags if f in RELEVANT_FLAGS or f.startswith(RELEVANT_PREFIXES)]
+
+
+def torch_lines() -> list[str]:
+    import torch
+
+    build = torch.__config__.show()
+    settings = dict(re.findall(r"(BLAS_INFO|LAPACK_INFO|USE_MKLDNN|USE_OPENMP)=([^,\s]+)", build))
+    onednn = re.search(r"MKL-DNN (v[\d.]+)", build)
+    detected = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: None)()
+                for name in ("avx2", "avx512", "avx512_bf16", "vnni", "amx_tile", "amx_fp16")}
+    return [
+        f"torch {torch.__version__}: CPU capability {torch.backends.cpu.get_cpu_capability()} (ATen's vectorised "
+        f"kernels), {torch.get_num_threads()} threads",
+        "torch build: " + ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+        + (f", oneDNN {onednn.group(1)}" if onednn else ""),
+        "torch detects: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in detected.items() if v is not None),
+    ]
+
+
+def bitsandbytes_line() -> str:
+    try:
+        import bitsandbytes
+        from bitsandbytes.functional import has_avx512bf16
+    except ImportError:
+        return "bitsandbytes: not installed (model.quantization=nf4 unavailable)"
+    path = ("packed AVX-512-bf16 kernels" if has_avx512bf16() else "dequantise-then-matmul (no AVX-512-bf16)")
+    return f"bitsandbytes {bitsandbytes.__version__}: CPU 4-bit layers take the {path} path"
+
+
+def report() -> list[str]:
+    model, flags = cpu_fields()
+    return [
+        f"cpu: {model}, {os.cpu_count()} logical CPUs",
+        "cpu flags: " + (" ".join(relevant(flags)) or "none of " + ", ".join(RELEVANT_FLAGS)),
+        *torch_lines(),
+        bitsandbytes_line(),
+    ]
+
+
+if __name__ == "__main__":
+    print("\n".join(report()), flush=True)
