@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from models import early_exit
 from models.early_exit import build_early_exit_draft, ensure_early_exit, parse_early_exit
 from models.loading import ModelLoadError, resolve_model_path
 from tests.model_support import save_tiny_model
-from tests.test_distill import run_distill, sharegpt_file  # noqa: F401 - sharegpt_file is a fixture
+from tests.test_distill import ROOT, WORDS
 from tests.test_draft_model import left_pad, plain_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -37,12 +40,14 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """4-layer random models with the tests' tokenizer: a Llama with tied embeddings, a Qwen2 and a Mistral without."""
+    """4-layer random models with the tests' tokenizer: a Llama with tied embeddings, a Qwen2 and a Mistral without;
+    peaked (initializer_range 0.2), so their greedy answers are not one repeated token."""
     root = tmp_path_factory.mktemp("ee")
+    peaked = dict(layers=LAYERS, initializer_range=0.2)
     return {
-        "llama": save_tiny_model(root / "llama", "llama", seed=0, hidden_size=64, layers=LAYERS, tied=True),
-        "qwen2": save_tiny_model(root / "qwen2", "qwen2", seed=1, hidden_size=32, layers=LAYERS),
-        "mistral": save_tiny_model(root / "mistral", "mistral", seed=2, hidden_size=32, layers=LAYERS),
+        "llama": save_tiny_model(root / "llama", "llama", seed=0, hidden_size=64, tied=True, **peaked),
+        "qwen2": save_tiny_model(root / "qwen2", "qwen2", seed=1, hidden_size=32, **peaked),
+        "mistral": save_tiny_model(root / "mistral", "mistral", seed=2, hidden_size=32, **peaked),
     }
 
 
@@ -196,19 +201,75 @@ def test_cli_drafter_spelling_and_its_one_line_error(sources, capsys):
                                               f"has 4 decoder layers)"
 
 
-def test_distill_an_early_exit_draft(sources, sharegpt_file, tmp_path):  # noqa: F811 - the fixture
-    """`method.draft=early_exit:<dir>:2` (3 steps): the checkpoint holds a trained 2-layer draft that serves exactly."""
-    target = sources["llama"]
-    out = tmp_path / "run"
-    result = run_distill(target, f"early_exit:{target}:2", sharegpt_file, out)
+@pytest.fixture(scope="module")
+def alpaca_file(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
+    path = tmp_path_factory.mktemp("data") / "alpaca.json"
+    path.write_text(json.dumps([{"instruction": pick(5), "input": "", "output": pick(12)} for _ in range(24)]))
+    return path
+
+
+def test_distill_an_early_exit_draft_with_the_chat_models_recipe(sources, alpaca_file, tmp_path):
+    """`+model=smollm2` (data=instructions, the target answers the prompts itself first) on a tiny 4-layer target
+    with `method.draft=early_exit:<dir>:2`, 3 steps: the checkpoint holds a trained 2-layer draft (embeddings still
+    tied) that serves exactly."""
+    target, out = sources["llama"], tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "train", "distill", "+model=smollm2", f"model.path={target}",
+        f"method.draft=early_exit:{target}:2", f"data.path={alpaca_file}", "data.self_distill_samples=12",
+        "data.self_distill_new_tokens=8", "data.max_length=48", "data.validation_fraction=0.25",
+        "training.max_steps=3", "training.per_device_train_batch_size=2", "training.logging_steps=1",
+        "training.learning_rate=5e-3", "eval.greedy_prompts=0", "logger=none", f"output_dir={out}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert (out / "self_distill.jsonl").is_file()  # the recipe's replies are the target's own
     config = json.loads((out / "config.json").read_text())
-    assert config["drafter_type"] == "draft_model" and config["training"]["config"]["method"]["draft"] == \
-        f"early_exit:{target}:2"
+    assert config["drafter_type"] == "draft_model"
+    assert config["training"]["config"]["method"]["draft"] == f"early_exit:{target}:2"
     metrics = config["training"]["metrics"]
     assert metrics["eval_alpha"] != metrics["eval_initial_alpha"]  # the draft trained
-    trained = load_lm(out / "draft")
+    trained, built = load_lm(out / "draft"), load_lm(ensure_early_exit(f"early_exit:{target}:2", progress=False))
     assert trained.config.num_hidden_layers == 2 and trained.lm_head.weight is trained.model.embed_tokens.weight
+    assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight, built.model.layers[0].mlp.up_proj.weight)
     engine = load(out, dtype="fp32")
     prompt = [5, 6, 7, 8]
     assert engine.generate(prompt, 10, ignore_eos=True).sequences[0] == plain_greedy(load_lm(target), prompt, 10)
+
+
+def load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+def test_acceptance_script_replays_the_engine(sources, gamma):
+    """scripts/early_exit_acceptance.py: the target forwards it derives from one teacher-forced pass equal the
+    engine's own count when decoding with the early-exit draft."""
+    script = load_script("early_exit_acceptance")
+    target = load_lm(sources["llama"])
+    draft = load_lm(ensure_early_exit(f"early_exit:{sources['llama']}:3", progress=False))
+    accepted = []
+    for prompt in ([5, 6, 7], [40, 41, 42, 43, 44]):
+        out = generate(target, torch.tensor([prompt]), DraftModelDrafter(draft, gamma), DecodeConfig(max_new_tokens=24))
+        answer = out.sequences[0]
+        matches = script.exit_matches(target, prompt, answer, [3])[3]
+        assert script.chain_tau(matches, gamma) == (out.stats.target_forwards, out.stats.steps)
+        assert answer == plain_greedy(target, prompt, 24)
+        accepted += [a for step in out.stats.accepted for a in step]
+    assert min(accepted) == 0 and max(accepted) >= 1  # drafts both rejected and accepted
+
+
+def test_chain_tau_by_hand():
+    script = load_script("early_exit_acceptance")
+    # 8 new tokens: prefill gives token 0; drafts for tokens 1.. match as listed
+    matches = [True, True, False, True, True, True, True]
+    assert script.chain_tau(matches, 4) == (3, 2)  # accept 1,2 + bonus 3; accept 4..7 (run capped at 4) -> done
+    assert script.chain_tau(matches, 1) == (5, 4)  # 1+bonus 2 | 3 rejected, bonus 3 | 4+5 | 6+7
+    assert script.chain_tau([False] * 7, 3) == (8, 7)  # nothing accepted: one token per forward
