@@ -3,7 +3,7 @@
 Every subcommand loads a `Session` the same way: a base model, a drafter and a tokenizer. `--drafter` is whatever
 `inference.api.load` serves, so a drafter registered there is on the command line with no change here:
     a draftsmith checkpoint directory   config.json names the drafter type (api.DRAFTER_BUILDERS) and the base model
-    a plain causal LM (dir, builtin:..)  a draft model for --base
+    a plain causal LM (dir, builtin:..)  a draft model for --base; early_exit:<model>:<N> is <model>'s first N layers
     a registered name (api.NAMED_DRAFTERS: jacobi, lookahead, prompt_lookup, ...), optionally "name:key=value,...";
                                         --drafter-option KEY=VALUE pairs are appended to that spec
     none (the default)                  plain autoregressive decoding through the same loop
@@ -53,7 +53,8 @@ class Session:
 
 def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -> None:
     p.add_argument("--drafter", required=drafter_required,
-                   help=f"a draftsmith checkpoint directory, a draft model (dir or builtin:<name>, with --base), or "
+                   help=f"a draftsmith checkpoint directory, a draft model (dir, builtin:<name>, or "
+                        f"early_exit:<model>:<layers>, that model's first layers; with --base), or "
                         f"a registered drafter ({', '.join(named_drafters())}[:key=value,...]); default: none")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="option for a registered drafter; repeatable")
@@ -143,7 +144,7 @@ def open_session(args: argparse.Namespace) -> Session:
     from inference.api import load
     from inference.draft_model import is_plain_model
     from models.checkpoint import read_drafter_config
-    from models.loading import TOKENIZER_FILES, load_tokenizer, model_settings
+    from models.loading import MODEL_PREFIXES, TOKENIZER_FILES, load_tokenizer, model_settings
 
     if args.threads is not None:
         if args.threads < 1:
@@ -152,7 +153,7 @@ def open_session(args: argparse.Namespace) -> Session:
     name = args.drafter or "none"
     spec = drafter_spec(name, args.drafter_option)
     config = checkpoint_config(name)
-    if config is None and name.partition(":")[0] not in named_drafters() and not name.startswith("builtin:") \
+    if config is None and name.partition(":")[0] not in named_drafters() and not name.startswith(MODEL_PREFIXES) \
             and not Path(name).is_dir():
         raise UsageError(f"--drafter {name}: no such checkpoint or model directory, and not a registered drafter "
                          f"({', '.join(named_drafters())})")

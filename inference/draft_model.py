@@ -28,7 +28,7 @@ from inference.drafters import DecodeState, Draft
 from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.verify import VerifyResult, sample, target_probs
 from models.checkpoint import CONFIG_NAME, DrafterMismatchError, draft_model_folder, read_drafter_config
-from models.loading import BUILTIN_PREFIX, DTYPES
+from models.loading import DTYPES, MODEL_PREFIXES
 from models.stopper import StopperModel, load_stopper, stop_features
 
 DEFAULT_GAMMA = 4
@@ -228,9 +228,10 @@ class DraftModelDrafter:
 
 
 def is_plain_model(path: str | os.PathLike) -> bool:
-    """True for "builtin:<name>" or a directory holding a Hugging Face model (config.json without drafter_type)."""
+    """True for "builtin:<name>", "early_exit:<model>:<N>" or a directory holding a Hugging Face model (config.json
+    without drafter_type)."""
     text = str(path)
-    if text.startswith(BUILTIN_PREFIX):
+    if text.startswith(MODEL_PREFIXES):
         return True
     config = Path(path) / CONFIG_NAME
     if not config.is_file():
@@ -279,8 +280,8 @@ def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, di
 
 
 def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.device) -> nn.Module:
-    """The causal LM of a draft_model checkpoint or a plain causal LM (a directory or "builtin:<name>"), in the
-    target's dtype on `device`, its vocabulary checked against the target's."""
+    """The causal LM of a draft_model checkpoint or a plain causal LM (a directory, "builtin:<name>" or
+    "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's."""
     from models.loading import load_target
 
     source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
@@ -294,9 +295,10 @@ def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.d
 def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,
                               draft_stop: str | None = None) -> DraftModelDrafter:
     """Behind DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
-    (a directory or "builtin:<name>") loaded in the target's dtype on `device`, vocabulary checked. `draft_stop`
-    (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has one, else "fixed";
-    with a stopper and no `tree`, the draft length is the one it was trained for (its traces' max_gamma)."""
+    (a directory, "builtin:<name>" or "early_exit:<model>:<N>") loaded in the target's dtype on `device`, vocabulary
+    checked. `draft_stop` (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has
+    one, else "fixed"; with a stopper and no `tree`, the draft length is the one it was trained for (its traces'
+    max_gamma)."""
     draft = load_draft_model(path, model, device)
     stopper, entry = checkpoint_stopper(path)
     if tree is None and stopper is not None:  # the draft length its stopper was trained for

@@ -1,8 +1,9 @@
 """Loading a target model and its tokenizer: hub id, local directory, or a built-in tiny model.
 
 "builtin:<name>" names a model that draftsmith provides itself: the tiny models it builds offline (models.tiny) and the
-SmolLM2-135M-Instruct chat model it converts from a GGUF once (models.smollm2); every other string goes to
-`from_pretrained` unchanged, so built-in and hub models share one code path.
+SmolLM2-135M-Instruct chat model it converts from a GGUF once (models.smollm2). "early_exit:<model>:<N>" names the
+first N decoder layers of <model> as a draft model, cut once into the cache (models.early_exit). Every other string
+goes to `from_pretrained` unchanged, so built-in, derived and hub models share one code path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
+EARLY_EXIT_PREFIX = "early_exit:"
+MODEL_PREFIXES = (BUILTIN_PREFIX, EARLY_EXIT_PREFIX)  # model names draftsmith resolves itself (not paths or hub ids)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 QUANTIZATIONS = (None, "none", "nf4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one will do
@@ -56,7 +59,12 @@ def model_settings(name: str) -> dict[str, Any]:
 
 def resolve_model_path(name_or_path: str) -> str:
     """Map "builtin:<name>" to the directory of that model: the tiny models are built on first use (models.tiny),
-    SmolLM2 is found in the hub cache or converted once from its GGUF (models.smollm2)."""
+    SmolLM2 is found in the hub cache or converted once from its GGUF (models.smollm2). "early_exit:<model>:<N>" maps
+    to the cached folder of <model>'s first N layers (models.early_exit, built on first use)."""
+    if name_or_path.startswith(EARLY_EXIT_PREFIX):
+        from models.early_exit import ensure_early_exit  # deferred: it imports this module
+
+        return str(ensure_early_exit(name_or_path))
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX):]

@@ -25,10 +25,14 @@ def tiny_config(arch: str = "llama", vocab_size: int = 400, hidden_size: int = 3
     )
 
 
-def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, hidden_size: int = 32) -> Path:
-    """A random model + the tests' chat tokenizer at `path`; eos/pad/bos ids match the tokenizer."""
+def save_tiny_model(path: Path, arch: str = "llama", seed: int = 0, hidden_size: int = 32, layers: int = 2,
+                    tied: bool = False, initializer_range: float = 0.02) -> Path:
+    """A random model + the tests' chat tokenizer at `path`; eos/pad/bos ids match the tokenizer. A larger
+    `initializer_range` (0.2) makes next-token distributions peaked, so greedy answers vary instead of repeating one
+    token."""
     tokenizer = tiny_tokenizer()
-    config = tiny_config(arch, vocab_size=len(tokenizer), hidden_size=hidden_size)
+    config = tiny_config(arch, vocab_size=len(tokenizer), hidden_size=hidden_size, layers=layers)
+    config.tie_word_embeddings, config.initializer_range = tied, initializer_range
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)

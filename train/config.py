@@ -167,7 +167,8 @@ class DistillConfig:
     """Draft-model distillation (train/distill.py): the draft learns the frozen target's next-token distributions."""
 
     name: str = "distill"
-    draft: str = "builtin:tiny-draft"  # the draft causal LM: a conf/model name, hub id, directory or builtin:<name>
+    # the draft causal LM: a conf/model name, hub id, directory, builtin:<name> or early_exit:<model>:<layers>
+    draft: str = "builtin:tiny-draft"
     draft_dtype: str = "fp32"  # the draft's training dtype (bf16 | fp16 | fp32)
     divergence: str = "fkl"  # fkl | rkl | jsd | tvd
     jsd_beta: float = 0.5  # β of the generalised JSD, in (0, 1)
@@ -183,7 +184,8 @@ class StopperConfig:
     """Draft-length decision model (train/stopper.py): traces from chain decoding, a logistic/MLP fit, a threshold."""
 
     name: str = "stopper"
-    draft: str = "builtin:tiny-draft"  # a conf/model name, hub id, directory, builtin:<name> or draft_model checkpoint
+    # a conf/model name, hub id, directory, builtin:<name>, early_exit:<model>:<layers> or draft_model checkpoint
+    draft: str = "builtin:tiny-draft"
     max_gamma: int = 8  # draft length of the traces (the longest a step may draft)
     prompts: int = 256  # train prompts traced (the first validation_fraction of them held out)
     validation_fraction: float = 0.25

@@ -98,7 +98,8 @@ def sample_responses(draft: nn.Module, input_ids: torch.Tensor, labels: torch.Te
 
 def draft_path(draft: str) -> str:
     """method.draft -> a model path: the name of a model config (conf/model/<name>.yaml, e.g. "tiny-draft") gives
-    that config's path; anything else (hub id, directory, builtin:<name>) is used as is."""
+    that config's path; anything else (hub id, directory, builtin:<name>, early_exit:<model>:<N>: the first N layers
+    of <model>, see models.early_exit) is used as is and resolved when loaded."""
     from importlib import resources
 
     from omegaconf import OmegaConf

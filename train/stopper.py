@@ -196,8 +196,8 @@ class Method:
 
 
 def resolve_draft(draft: str) -> str:
-    """method.draft -> the draft causal LM's folder: a conf/model name, hub id, directory, builtin:<name>, or a
-    draft_model checkpoint (e.g. from `python -m train distill`), whose draft/ folder is used."""
+    """method.draft -> the draft causal LM's folder: a conf/model name, hub id, directory, builtin:<name>,
+    early_exit:<model>:<layers>, or a draft_model checkpoint (e.g. from `python -m train distill`), whose draft/ folder is used."""
     from inference.draft_model import is_plain_model
     from models.checkpoint import CONFIG_NAME, draft_model_folder
     from train.distill import draft_path

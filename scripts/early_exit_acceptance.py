@@ -1,0 +1,130 @@
+"""Greedy acceptance of early-exit drafts (models.early_exit) at several exit layers, from one greedy decode of the
+target per prompt, and a speedup estimate from CPU-time costs: a cheap stand-in for one `bench` run per layer count.
+
+Why one decode is enough: under greedy verification a chain draft's depth-j token is accepted iff it equals the
+target's greedy token and every earlier one was accepted, and while they are, the draft has read exactly the target's
+own prefix. The early-exit draft at layer N predicts argmax lm_head(norm(h_N)) there, h_N being the target's own
+state after layer N (the draft is the truncated target: tests/test_early_exit.py). So one forward of the target over
+prompt + greedy answer with output_hidden_states gives every depth's verdict for every N, and replaying the engine's
+steps (`chain_tau`) gives τ = new tokens per target forward, prefill included, as `bench` reports it (up to float
+rounding between a cached and an uncached forward).
+
+Costs are CPU seconds (time.process_time, one thread), so they do not depend on what else the machine runs:
+t_ar (one cached target token), t_verify (γ + 1 cached target tokens) and t_draft (one cached draft token, the real
+early-exit model). Estimated speedup over plain greedy = (T − 1)·t_ar / (steps·(t_verify + γ·t_draft)): forwards only,
+the engine's own per-step work left out, so `bench` measures somewhat less.
+
+    python scripts/early_exit_acceptance.py --model smollm2 --layers 4 8 12 --gamma 1 2 4 --limit 5 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.chat import encode_prompt  # noqa: E402
+from inference.api import Engine  # noqa: E402
+from inference.bench import DEFAULT_QUESTIONS, read_questions  # noqa: E402
+from inference.drafters import NoDrafter  # noqa: E402
+from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
+
+
+def chain_tau(matches: list[bool], gamma: int) -> tuple[int, int]:
+    """(target forwards, steps) of greedy chain drafting over T new tokens, T = len(matches) + 1: prefill yields the
+    first token; each step drafts the next gamma, keeps the leading run that `matches` (matches[p - 1]: the draft
+    predicts new token p from the exact prefix) and adds the target's own token after it."""
+    total, pos, steps = len(matches) + 1, 1, 0
+    while pos < total:
+        run = 0
+        while run < gamma and pos + run < total and matches[pos + run - 1]:
+            run += 1
+        pos += run + 1
+        steps += 1
+    return steps + 1, steps
+
+
+@torch.no_grad()
+def exit_matches(target, prompt: list[int], answer: list[int], layers: list[int]) -> dict[int, list[bool]]:
+    """For each exit layer N: does argmax lm_head(norm(h_N)) at the position before new token p equal it (p >= 1)."""
+    ids = torch.tensor([prompt + answer])
+    hidden = target(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states  # L + 1 x [1, T, D]
+    span = slice(len(prompt), len(prompt) + len(answer) - 1)  # positions predicting answer[1:]
+    truth = torch.tensor(answer[1:])
+    out = {}
+    for n in layers:
+        guess = target.lm_head(target.model.norm(hidden[n][0, span])).argmax(-1)  # [T - 1]
+        out[n] = (guess == truth).tolist()
+    return out
+
+
+@torch.no_grad()
+def cached_cost(model, context: list[int], width: int, repeats: int) -> float:
+    """Median CPU seconds of one forward of `width` new tokens after `context` (its KV cache, cropped back after
+    each timed forward)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+    new = torch.tensor([context[-width:]])
+    positions = torch.arange(len(context), len(context) + width)[None]
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=positions)
+        times.append(time.process_time() - start)
+        cache.crop(len(context))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="target: conf/model name, builtin:<name>, directory or hub id")
+    p.add_argument("--layers", type=int, nargs="+", default=[4, 8, 12], help="exit layers N")
+    p.add_argument("--gamma", type=int, nargs="+", default=[4], help="draft lengths (chain)")
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="MT-bench style question.jsonl")
+    p.add_argument("--limit", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per cost (median)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    settings = model_settings(args.model)
+    tokenizer = load_tokenizer(settings["path"], settings["chat_template"])
+    target = load_target(settings["path"], dtype=settings["dtype"] or "fp32")
+    engine = Engine(target, NoDrafter())
+    matches: dict[int, list[list[bool]]] = {n: [] for n in args.layers}
+    new_tokens, context = 0, []
+    for q in read_questions(args.questions)[: args.limit]:
+        prompt = encode_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}], settings["chat_template"])
+        answer = engine.generate(prompt, max_new_tokens=args.max_new_tokens).sequences[0]
+        new_tokens += len(answer)
+        context = context or prompt + answer
+        for n, m in exit_matches(target, prompt, answer, args.layers).items():
+            matches[n].append(m)
+    t_ar = cached_cost(target, context, 1, args.repeats)
+    t_verify = {g: cached_cost(target, context, g + 1, args.repeats) for g in args.gamma}
+    print(f"{args.model}: {args.limit} prompts, {new_tokens} new tokens (greedy); CPU ms per forward, one thread: "
+          f"target 1 token {t_ar * 1e3:.1f}, " + ", ".join(f"{g + 1} tokens {t * 1e3:.1f}" for g, t in t_verify.items()))
+    print(f"{'exit layer':>10} {'draft ms':>9} {'agreement':>10} " + " ".join(f"{f'tau g={g}':>9} {f'est. x g={g}':>11}"
+                                                                       for g in args.gamma))
+    for n in args.layers:
+        draft = load_target(f"early_exit:{args.model}:{n}", dtype=settings["dtype"] or "fp32")
+        t_draft = cached_cost(draft, context, 1, args.repeats)
+        agreement = sum(map(sum, matches[n])) / max(sum(map(len, matches[n])), 1)
+        row = f"{n:>10} {t_draft * 1e3:9.1f} {agreement:10.3f} "
+        for g in args.gamma:
+            runs = [chain_tau(m, g) for m in matches[n]]
+            forwards, steps = sum(r[0] for r in runs), sum(r[1] for r in runs)
+            speedup = (new_tokens - len(runs)) * t_ar / (steps * (t_verify[g] + g * t_draft)) if steps else float("nan")
+            row += f"{new_tokens / forwards:9.2f} {speedup:10.2f}x "
+        print(row.rstrip(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
