@@ -95,7 +95,8 @@ class MedusaDrafter:
         if tree.max_depth > len(heads.heads):
             raise ValueError(f"tree depth {tree.max_depth} exceeds the drafter's {len(heads.heads)} heads")
         if tree.topk > heads.config.out_size:  # topk over the vocabulary would fail at the first step
-            raise TreeError(f"tree uses top-{tree.topk} candidates per head, but the heads predict over only "
+            which = "vocabulary" if heads.vocab_ids is None else "heads' draft vocabulary"
+            raise TreeError(f"tree uses top-{tree.topk} candidates per head, but the {which} has only "
                             f"{heads.config.out_size} tokens")
         if heads.config.share_lm_head and base_lm_head is None:
             raise ValueError("these Medusa heads share the base lm_head (shared_lm_head format); pass base_lm_head")

@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from inference.api import MEDUSA_TOPK, Engine
-from inference.bench import WARMUP_TOKENS, EngineRunner, HFRunner, Runner, Sampling
+from inference.bench import WARMUP_TOKENS
+from inference.bench_methods import EngineRunner, HFRunner, Runner, Sampling
 from inference.benchstats import Answer, Totals, summarize
 from inference.devices import input_device
 from inference.drafters import MedusaDrafter, NoDrafter

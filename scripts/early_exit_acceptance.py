@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.chat import encode_prompt  # noqa: E402
 from inference.api import Engine  # noqa: E402
-from inference.bench import DEFAULT_QUESTIONS, read_questions  # noqa: E402
+from inference.prompt_sets import DEFAULT_QUESTIONS, read_questions  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
 

@@ -217,7 +217,7 @@ def run_pack(args: argparse.Namespace) -> int:
         fail(f"--tiny-drafter {drafter}: no config.json (train it: python -m train medusa1 +model=tiny)")
     questions = Path(args.questions) if args.questions else None
     if questions is None:
-        from inference.bench import DEFAULT_QUESTIONS
+        from inference.prompt_sets import DEFAULT_QUESTIONS
 
         questions = DEFAULT_QUESTIONS
     if not questions.is_file():
