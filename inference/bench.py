@@ -20,8 +20,9 @@ Summary definitions:
                        free (t_AR_step: mean wall time of one plain step; t_tree_forward: mean target forward over
                        the draft tree)
     engine efficiency  speedup vs ar / ideal speedup
-    greedy identity    each method's turns against ar's (else hf's): identical, near_tie (a float64 rerun of the
-                       target shows the differing tokens nearly tied, inference.near_tie) or mismatch
+    greedy identity    each method's turns against ar's (else hf's): identical, near_tie (at the first differing
+                       token, the two tokens' float64 logit gap is within twice the run dtype's rounding there,
+                       inference.greedy_ties) or mismatch
     bandwidth floor    weight bytes / measured copy bandwidth: the least time a plain step can take
                        (inference.bandwidth)
 """
@@ -44,7 +45,7 @@ from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, 
 from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
 from inference.cli import (UsageError, add_model_args, add_sampling_args, check_sampling, checkpoint_config,
                            encode_messages, open_session)
-from inference.near_tie import DEFAULT_TIE_TOL
+from inference.greedy_ties import Fp64Judge
 from inference.prompt_sets import DEFAULT_QUESTIONS, PROMPT_SETS, Question, load_questions
 
 WARMUP_TOKENS = 32
@@ -109,9 +110,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--assistant", metavar="PATH",
                    help="hf_assisted: the draft model (causal LM dir, builtin:<name> or draft_model checkpoint) "
                         "when --drafter is not one")
-    p.add_argument("--tie-tol", type=float, default=DEFAULT_TIE_TOL,
-                   help="greedy identity: a differing token is a near-tie when its float64 logit is within this "
-                        "relative gap of the reference token's (default %(default)s; see inference.near_tie)")
     p.add_argument("--baseline-only", action="store_true", help="run only the baselines (no drafter)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method before timing")
     p.add_argument("--plot", metavar="DIR", help="write head_accuracy.png, accept_hist.png, bench_summary.png")
@@ -154,8 +152,6 @@ def check_bench_args(args: argparse.Namespace) -> list[str]:
     elif "hf_assisted" in baselines and not is_draft_model(args.drafter):
         raise UsageError(f"--baselines hf_assisted needs a draft model: --drafter {args.drafter or 'none'} is not "
                          f"one; name one with --assistant PATH")
-    if not args.tie_tol >= 0:
-        raise UsageError(f"--tie-tol must be >= 0, got {args.tie_tol}")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.warmup < 0:
@@ -183,7 +179,6 @@ def hf_options(session: Any, args: argparse.Namespace, names: Sequence[str]) -> 
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from inference.bandwidth import copy_bandwidth, weight_bytes
-    from inference.near_tie import Fp64Judge
 
     baselines = check_bench_args(args)
     questions, prompt_sets = load_questions(args.questions)
@@ -208,7 +203,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     greedy = args.temperature == 0
     # float64 reruns need a plain copy of the target: not of quantized or device-mapped weights
     fp64 = greedy and args.quantization == "none" and args.device_map is None
-    judge = Fp64Judge(model, args.tie_tol) if fp64 else None
+    judge = Fp64Judge(model) if fp64 else None
     summary = summarize(answers, names[0], greedy=greedy, judge=judge)
     summary["bandwidth"] = bandwidth_floor(weight_bytes(model), copy_rate, summary)
     summary["config"] = {
@@ -245,7 +240,7 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
         "drafter": session.drafter_name, "head_vocab": args.head_vocab,
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
-        "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids, "tie_tol": args.tie_tol,
+        "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids,
     }
 
 

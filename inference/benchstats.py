@@ -3,15 +3,17 @@
 Definitions (also in inference.bench): tau = new tokens / target forwards (prefill included); speedup = tokens/s of
 the main method over a baseline's (one per baseline); ideal speedup = tau x t_AR_step / t_tree_forward; efficiency =
 speedup vs ar / ideal speedup. Greedy identity: every method's turns against the reference's (ar, else hf), a
-differing turn judged near-tie or mismatch by a `Judge` the caller passes (inference.near_tie: a float64 rerun).
+differing turn judged near-tie or mismatch at its first differing token by a `Judge` the caller passes
+(inference.greedy_ties: the rule, and Fp64Judge, a float64 rerun).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from inference.generate import StepTimes
+from inference.greedy_ties import Divergence, Judge, TieVerdict, first_divergence
 
 PHASES = ("draft", "forward", "verify", "cache", "other")
 
@@ -75,31 +77,6 @@ class Totals:
         return row
 
 
-@dataclass(frozen=True)
-class Divergence:
-    """Where a method's greedy turn first leaves the reference's turn generated from the same prompt: both read
-    `context` (prompt + the tokens they share), then chose different tokens (None: that side had already ended)."""
-
-    method: str
-    question_id: Any
-    turn: int
-    position: int  # index into the new tokens
-    context: tuple[int, ...]
-    reference_token: int | None
-    method_token: int | None
-
-
-@dataclass(frozen=True)
-class TieVerdict:
-    """A judge's ruling on one Divergence; the float64 fields are None when it could not rerun the target."""
-
-    near_tie: bool
-    fp64_argmax: int | None = None
-    gap: float | None = None  # z[reference token] - z[method token], float64 logits
-    relative_gap: float | None = None  # gap / max(|z[reference token]|, |z[method token]|)
-
-
-Judge = Callable[[Divergence], TieVerdict]
 VERDICTS = ("identical", "near_tie", "mismatch", "not_compared")
 SHOWN_DIVERGENCES = 10  # per method in summary.json
 
@@ -170,18 +147,6 @@ def greedy_reference(methods: list[str], main: str) -> str | None:
     return next((r for r in ("ar", "hf") if r in methods), next((n for n in methods if n != main), None))
 
 
-def first_divergence(method: str, question_id: Any, turn: int, ref: TurnResult, other: TurnResult) -> Divergence:
-    """The first position where `other`'s tokens leave `ref`'s (the two differ; both read the same prompt)."""
-    common = next((i for i, (x, y) in enumerate(zip(ref.tokens, other.tokens)) if x != y),
-                  min(len(ref.tokens), len(other.tokens)))
-
-    def at(tokens: tuple[int, ...]) -> int | None:
-        return tokens[common] if common < len(tokens) else None
-
-    return Divergence(method, question_id, turn, common, ref.prompt + ref.tokens[:common], at(ref.tokens),
-                      at(other.tokens))
-
-
 def greedy_check(answers: dict[str, list[Answer]], main: str, judge: Judge | None = None) -> dict[str, Any]:
     """Greedy decoding must not depend on the method. Each turn of each method is compared with the reference's
     same turn when both were generated from the same prompt (else not_compared: an earlier turn differed, so the two
@@ -200,24 +165,28 @@ def greedy_check(answers: dict[str, list[Answer]], main: str, judge: Judge | Non
                 if ref.prompt != turn.prompt:
                     counts["not_compared"] += 1
                     continue
-                if ref.tokens == turn.tokens:
+                d = first_divergence(ref.prompt, ref.tokens, turn.tokens)
+                if d is None:
                     counts["identical"] += 1
                     continue
-                d = first_divergence(name, answer.question_id, j, ref, turn)
-                comparable = d.reference_token is not None and d.method_token is not None
+                comparable = d.left is not None and d.right is not None  # an ended output: mismatch, no rerun
                 verdict = judge(d) if judge is not None and comparable else TieVerdict(False)
                 counts["near_tie" if verdict.near_tie else "mismatch"] += 1
                 if len(shown) < SHOWN_DIVERGENCES:
-                    shown.append({"question_id": d.question_id, "turn": j, "position": d.position,
-                                  "reference_token": d.reference_token, "method_token": d.method_token,
-                                  "verdict": "near_tie" if verdict.near_tie else "mismatch",
-                                  "fp64_argmax": verdict.fp64_argmax, "fp64_gap": verdict.gap,
-                                  "fp64_relative_gap": verdict.relative_gap})
+                    shown.append(divergence_record(answer.question_id, j, d, verdict))
         check["methods"][name] = {**counts, "divergences": shown}
     rows = check["methods"].values()
     check["identical"] = all(r["identical"] == sum(r[v] for v in VERDICTS) for r in rows) if rows else None
     check["lossless"] = all(r["mismatch"] == 0 for r in rows) if rows else None
     return check
+
+
+def divergence_record(question_id: Any, turn: int, d: Divergence, verdict: TieVerdict) -> dict[str, Any]:
+    """One entry of a method's `divergences` in summary.json (left = the reference, right = the method)."""
+    return {"question_id": question_id, "turn": turn, "position": d.index, "reference_token": d.left,
+            "method_token": d.right, "verdict": "near_tie" if verdict.near_tie else "mismatch",
+            "fp64_argmax": verdict.hi_argmax, "fp64_gap": verdict.gap, "fp64_relative_gap": verdict.relative_gap,
+            "noise": verdict.noise}
 
 
 def bandwidth_floor(weight_bytes: int, copy_bytes_per_s: float, summary: dict[str, Any]) -> dict[str, Any]:

@@ -107,10 +107,11 @@ def greedy_identity(model: torch.nn.Module, prompts: Sequence[list[int]], output
     verdicts = classify(model, [d for _, _, d in cases], hi_dtype)
     counts = {f"{l}_vs_{r}": {"identical": len(prompts), "near_tie": 0, "mismatch": 0} for l, r in pairs}
     details = []
-    for (pair, i, _), v in zip(cases, verdicts):
+    for (pair, i, d), v in zip(cases, verdicts):
         counts[pair]["identical"] -= 1
         counts[pair]["near_tie" if v.near_tie else "mismatch"] += 1
-        details.append({"pair": pair, "prompt": i, **v.as_dict()})
+        details.append({"pair": pair, "prompt": i, "index": d.index, "left": d.left, "right": d.right,
+                        "margin": v.margin, "noise": v.noise, "hi_argmax": v.hi_argmax, "near_tie": v.near_tie})
     rule = (f"at the first differing token, re-run prompt + shared prefix in {str(hi_dtype).removeprefix('torch.')}: "
             f"near tie if the two tokens' logit gap <= {TIE_FACTOR:g} x the run dtype's rounding of logit "
             "differences at that position (inference.greedy_ties)")
