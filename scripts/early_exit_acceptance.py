@@ -9,10 +9,10 @@ prompt + greedy answer with output_hidden_states gives every depth's verdict for
 steps (`chain_tau`) gives τ = new tokens per target forward, prefill included, as `bench` reports it (up to float
 rounding between a cached and an uncached forward).
 
-Costs are CPU seconds (time.process_time, one thread), so they do not depend on what else the machine runs:
-t_ar (one cached target token), t_verify (γ + 1 cached target tokens) and t_draft (one cached draft token, the real
-early-exit model). Estimated speedup over plain greedy = (T − 1)·t_ar / (steps·(t_verify + γ·t_draft)): forwards only,
-the engine's own per-step work left out, so `bench` measures somewhat less.
+Costs are CPU seconds (time.process_time, one thread), so they depend less on what else the machine runs (cache
+contention still counts): t_ar (one cached target token), t_verify (γ + 1 cached target tokens) and t_draft (one
+cached token of the real early-exit model). Estimated speedup over plain greedy, forwards only (the engine's own
+per-step work left out, so `bench` measures somewhat less): (T − 1)·t_ar / (steps·(t_verify + γ·t_draft)).
 
     python scripts/early_exit_acceptance.py --model smollm2 --layers 4 8 12 --gamma 1 2 4 --limit 5 --max-new-tokens 64
 """
@@ -23,6 +23,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,15 +72,15 @@ def cached_cost(model, context: list[int], width: int, repeats: int) -> float:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
     new = torch.tensor([context[-width:]])
     positions = torch.arange(len(context), len(context) + width)[None]
     times = []
     for _ in range(repeats):
         start = time.process_time()
-        model(input_ids=new, past_key_values=cache, use_cache=True, position_ids=positions)
+        model(input_ids=new, cache=cache, use_cache=True, position_ids=positions)
         times.append(time.process_time() - start)
-        cache.crop(len(context))
+        cache.crop(-width)
     return statistics.median(times)
 
 
@@ -99,32 +100,48 @@ def main() -> None:
     target = load_target(settings["path"], dtype=settings["dtype"] or "fp32")
     engine = Engine(target, NoDrafter())
     matches: dict[int, list[list[bool]]] = {n: [] for n in args.layers}
-    new_tokens, context = 0, []
+    new_tokens, costs = 0, None
     for q in read_questions(args.questions)[: args.limit]:
         prompt = encode_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}], settings["chat_template"])
         answer = engine.generate(prompt, max_new_tokens=args.max_new_tokens).sequences[0]
         new_tokens += len(answer)
-        context = context or prompt + answer
+        if costs is None:  # after the first answer (a realistic context length), before the slow part
+            costs = measure_costs(target, prompt + answer, args, settings["dtype"] or "fp32")
         for n, m in exit_matches(target, prompt, answer, args.layers).items():
             matches[n].append(m)
-    t_ar = cached_cost(target, context, 1, args.repeats)
-    t_verify = {g: cached_cost(target, context, g + 1, args.repeats) for g in args.gamma}
-    print(f"{args.model}: {args.limit} prompts, {new_tokens} new tokens (greedy); CPU ms per forward, one thread: "
-          f"target 1 token {t_ar * 1e3:.1f}, " + ", ".join(f"{g + 1} tokens {t * 1e3:.1f}" for g, t in t_verify.items()))
-    print(f"{'exit layer':>10} {'draft ms':>9} {'agreement':>10} " + " ".join(f"{f'tau g={g}':>9} {f'est. x g={g}':>11}"
-                                                                       for g in args.gamma))
+    print(f"{args.model}: {args.limit} prompts, {new_tokens} new tokens (greedy)")
+    print(f"{'exit layer':>10} {'agreement':>10} " + " ".join(f"{f'tau g={g}':>9} {f'est. g={g}':>10}"
+                                                            for g in args.gamma))
     for n in args.layers:
-        draft = load_target(f"early_exit:{args.model}:{n}", dtype=settings["dtype"] or "fp32")
-        t_draft = cached_cost(draft, context, 1, args.repeats)
         agreement = sum(map(sum, matches[n])) / max(sum(map(len, matches[n])), 1)
-        row = f"{n:>10} {t_draft * 1e3:9.1f} {agreement:10.3f} "
+        row = f"{n:>10} {agreement:10.3f} "
         for g in args.gamma:
             runs = [chain_tau(m, g) for m in matches[n]]
             forwards, steps = sum(r[0] for r in runs), sum(r[1] for r in runs)
-            speedup = (new_tokens - len(runs)) * t_ar / (steps * (t_verify[g] + g * t_draft)) if steps else float("nan")
-            row += f"{new_tokens / forwards:9.2f} {speedup:10.2f}x "
+            step_cost = costs.verify[g] + g * costs.draft[n]
+            speedup = (new_tokens - len(runs)) * costs.ar / (steps * step_cost) if steps else float("nan")
+            row += f"{new_tokens / forwards:9.2f} {speedup:9.2f}x "
         print(row.rstrip(), flush=True)
 
+
+@dataclass(frozen=True)
+class Costs:
+    """CPU seconds of one cached forward: the target on 1 token (ar) and on g + 1 (verify[g]), draft N on 1."""
+
+    ar: float
+    verify: dict[int, float]
+    draft: dict[int, float]
+
+
+def measure_costs(target, context: list[int], args: argparse.Namespace, dtype: str) -> Costs:
+    costs = Costs(cached_cost(target, context, 1, args.repeats),
+                  {g: cached_cost(target, context, g + 1, args.repeats) for g in args.gamma},
+                  {n: cached_cost(load_target(f"early_exit:{args.model}:{n}", dtype=dtype), context, 1, args.repeats)
+                   for n in args.layers})
+    print(f"CPU ms per cached forward after {len(context)} tokens, one thread: target 1 token {costs.ar * 1e3:.1f}, "
+          + ", ".join(f"{g + 1} tokens {t * 1e3:.1f}" for g, t in costs.verify.items()) + "; early exit "
+          + ", ".join(f"N={n} {t * 1e3:.1f}" for n, t in costs.draft.items()), flush=True)
+    return costs
 
 if __name__ == "__main__":
     main()
