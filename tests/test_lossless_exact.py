@@ -112,7 +112,8 @@ def test_exact_law_and_every_node_accepted(name, seed):
     if scenario.scheme != "one-hot":
         assert abs(float(step.completed.sum()) - 1) < TOLERANCE  # the draft cases' probabilities sum to 1
         # the laws' zeros differ somewhere near the root: q(x) = 0 < p(x) and p(x) = 0 < q(x) both occur
-        target, drafter = StubLM(scenario.vocab, seed), StubLM(scenario.vocab, seed + 100, zero_rate=scenario.draft_zero_rate)
+        target = StubLM(scenario.vocab, seed)
+        drafter = StubLM(scenario.vocab, seed + 100, zero_rate=scenario.draft_zero_rate)
         contexts = [(ROOT,)] + [(ROOT, x) for x in range(scenario.vocab)]
         p = torch.stack([target.probs(c, scenario.params) for c in contexts])
         q = torch.stack([drafter.probs(c, scenario.params) for c in contexts])
