@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -53,9 +54,10 @@ class SamplingParams:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature, then top-k, then top-p (HF order).
-    Greedy params give the one-hot of the argmax, so every rule below reduces to greedy at temperature 0."""
-    logits = logits.float()
+    """[..., V] logits -> [..., V] float32 probabilities (float64 for float64 logits) after temperature, then top-k,
+    then top-p (HF order). Greedy params give the one-hot of the argmax, so every rule below reduces to greedy at
+    temperature 0."""
+    logits = _at_least_fp32(logits)
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
@@ -70,6 +72,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 kept as it is (the exact tests run the rules in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -212,50 +219,58 @@ def verify_typical(
     return make_result(tree, tokens, node, next_tok)
 
 
+class Draws(Protocol):
+    """The random decisions of the exact rules, injectable: tests integrate over them exactly (tests/lossless_exact.py)
+    instead of sampling them. `TorchDraws` is the engine's."""
+
+    def accept(self, num: torch.Tensor, den: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """[B] float, [B] float (>= 0), [B] bool -> [B] bool: active & (u * den < num) with u ~ U[0, 1) per row, i.e.
+        True with probability min(1, num / den) where den > 0 (and iff num > 0 where den = 0)."""
+        ...
+
+    def pick(self, weights: torch.Tensor) -> torch.Tensor:
+        """[B, V] non-negative weights (each row with positive sum) -> [B] ids drawn in proportion to them."""
+        ...
+
+
+@dataclass(frozen=True)
+class TorchDraws:
+    """Draws from torch's generator (the global one when None): one U[0, 1) per row per `accept` call, active or not,
+    so a seed gives the same stream whatever the rows do."""
+
+    generator: torch.Generator | None = None
+
+    def accept(self, num: torch.Tensor, den: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(num.shape, generator=self.generator, device=num.device)
+        return active & (u * den < num)
+
+    def pick(self, weights: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(weights, 1, generator=self.generator)[:, 0]
+
+
 def verify_rejection(
     tokens: torch.Tensor,
     logits: torch.Tensor,
     tree: TreeBuffers,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    *,
+    draws: Draws | None = None,
 ) -> VerifyResult:
     """Exact tree speculative sampling with deterministic drafts: the committed tokens are distributed exactly as
     sampling the target autoregressively with `params`.
 
     At a node with target distribution p, children x1, x2, ... (rank order) are tried in turn. A draft is a
-    point mass q = 1{x}, so the acceptance test min(1, p(x)/q(x)) is "accept with probability p(x)"; on
-    rejection the residual norm(max(p - q, 0)) is p with x zeroed and renormalised, and the next sibling is tried
-    against it. An accepted child becomes the current node; when no child is accepted (or at a leaf: the whole
-    path was accepted) the next token is sampled from the current residual. A sibling repeating a rejected token
-    has residual mass 0 and is never accepted, so duplicate drafts stay exact. Vectorised over rows: the loop runs
-    over tree depth and sibling slots only.
+    point mass q = 1{x}, so the acceptance test min(1, r(x)/q(x)) is "accept with probability r(x)", r starting as
+    p; on rejection the residual norm(max(r - q, 0)) is r with x zeroed and renormalised, and the next sibling is
+    tried against it. An accepted child becomes the current node; when no child is accepted (or at a leaf: the
+    whole path was accepted) the next token is sampled from the current residual. A sibling repeating a rejected
+    token has residual mass 0 and is never accepted, so duplicate drafts stay exact. This is `verify_speculative`'s
+    walk with q the one-hot of each child (see `_walk`). `draws` (default: TorchDraws(generator)) makes the random
+    decisions.
     """
-    probs = target_probs(logits, params)  # [B, K, V]
-    batch, rows = tokens.shape[0], torch.arange(tokens.shape[0], device=tokens.device)
-    node = torch.zeros(batch, dtype=torch.long, device=tokens.device)  # current node per row
-    walking = torch.ones(batch, dtype=torch.bool, device=tokens.device)
-    residual = probs[:, 0].clone()  # [B, V] p at the current node, rejected drafts zeroed (unnormalised)
-    for _ in range(tree.max_depth):
-        kids = tree.child_table[node]  # [B, C]
-        moved = torch.zeros_like(walking)
-        for j in range(kids.shape[1]):
-            child = kids[:, j]
-            trying = walking & ~moved & (child >= 0)
-            x = tokens.gather(1, child.clamp(min=0)[:, None])  # [B, 1]
-            p_x = residual.gather(1, x)[:, 0]  # 0 for a token already rejected at this node
-            u = torch.rand(batch, generator=generator, device=tokens.device)
-            take = trying & (u * residual.sum(-1) < p_x)  # u < p(x) / residual mass
-            residual.scatter_(1, x, torch.where(trying & ~take, 0.0, p_x)[:, None])
-            node = torch.where(take, child, node)
-            residual = torch.where(take[:, None], probs[rows, child.clamp(min=0)], residual)
-            moved |= take
-        walking &= moved
-        if not bool(walking.any()):
-            break
-    # rounding can only empty a residual whose every remaining token had mass ~0; fall back to p at the node
-    empty = ~(residual.sum(-1) > 0)
-    residual = torch.where(empty[:, None], probs[rows, node], residual)
-    return make_result(tree, tokens, node, torch.multinomial(residual, 1, generator=generator)[:, 0])
+    draws = draws if draws is not None else TorchDraws(generator)
+    return _walk(tokens, target_probs(logits, params), None, tree, draws, replacement=True)
 
 
 def verify_speculative(
@@ -266,6 +281,8 @@ def verify_speculative(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     replacement: bool = True,
+    *,
+    draws: Draws | None = None,
 ) -> VerifyResult:
     """Exact speculative sampling of sampled drafts: the committed tokens are distributed exactly as sampling the
     target autoregressively with `params`, whatever the draft distribution.
@@ -277,14 +294,24 @@ def verify_speculative(
     draft_probs row); otherwise, or at a leaf, the next token is sampled from r (the bonus token after a fully
     accepted path). A chain (one child per node) is Leviathan et al.'s Algorithm 1. A child with q(x) = 0 (a filler
     once q's support is exhausted) is never accepted and leaves r and q unchanged, as if it were not proposed.
+    `draws` (default: TorchDraws(generator)) makes the random decisions.
     """
-    probs = target_probs(logits, params)  # [B, K, V]
-    q_all = draft_probs.float()
+    draws = draws if draws is not None else TorchDraws(generator)
+    return _walk(tokens, target_probs(logits, params), _at_least_fp32(draft_probs), tree, draws, replacement)
+
+
+def _walk(
+    tokens: torch.Tensor, probs: torch.Tensor, q_all: torch.Tensor | None, tree: TreeBuffers, draws: Draws,
+    replacement: bool,
+) -> VerifyResult:
+    """The one tree walk of the exact sampling rules. probs [B, K, V]: the target's p at each node. q_all [B, K, V]:
+    the draft distribution at each node, or None for deterministic drafts (q = the one-hot of each child's token).
+    Vectorised over rows: the loop runs over tree depth and sibling slots only."""
     batch, rows = tokens.shape[0], torch.arange(tokens.shape[0], device=tokens.device)
-    node = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+    node = torch.zeros(batch, dtype=torch.long, device=tokens.device)  # current node per row
     walking = torch.ones(batch, dtype=torch.bool, device=tokens.device)
     residual = probs[:, 0].clone()  # [B, V] r, normalised
-    q = q_all[:, 0].clone()  # [B, V]
+    q = None if q_all is None else q_all[:, 0].clone()  # [B, V]; None: one-hot drafts
     for _ in range(tree.max_depth):
         kids = tree.child_table[node]  # [B, C]
         moved = torch.zeros_like(walking)
@@ -292,26 +319,38 @@ def verify_speculative(
             child = kids[:, j]
             trying = walking & ~moved & (child >= 0)
             x = tokens.gather(1, child.clamp(min=0)[:, None])  # [B, 1]
-            r_x, q_x = residual.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
-            u = torch.rand(batch, generator=generator, device=tokens.device)
-            take = trying & (q_x > 0) & (u * q_x < r_x)  # u < r(x) / q(x); a q(x) = 0 filler is never accepted
+            r_x = residual.gather(1, x)[:, 0]
+            q_x = torch.ones_like(r_x) if q is None else q.gather(1, x)[:, 0]
+            # u < r(x) / q(x); a q(x) = 0 filler is never accepted
+            take = draws.accept(r_x, q_x, trying & (q_x > 0))
             rejected = trying & ~take
-            leftover = (residual - q).clamp(min=0)
-            mass = leftover.sum(-1, keepdim=True)
-            # r = q exactly (mass 0) cannot reject; guard the division for rounding anyway
-            leftover = torch.where(mass > 0, leftover / mass.clamp(min=1e-30), residual)
-            residual = torch.where(rejected[:, None], leftover, residual)
-            if not replacement:
-                dropped = q.scatter(1, x, 0.0)
-                dropped = dropped / dropped.sum(-1, keepdim=True).clamp(min=1e-30)
-                q = torch.where(rejected[:, None], dropped, q)
+            residual = torch.where(rejected[:, None], _after_rejection(residual, q, x), residual)
+            if q is not None and not replacement:
+                q = torch.where(rejected[:, None], _without(q, x), q)
             node = torch.where(take, child, node)
             residual = torch.where(take[:, None], probs[rows, child.clamp(min=0)], residual)
-            q = torch.where(take[:, None], q_all[rows, child.clamp(min=0)], q)
+            if q is not None:
+                q = torch.where(take[:, None], q_all[rows, child.clamp(min=0)], q)
             moved |= take
         walking &= moved
         if not bool(walking.any()):
             break
+    # rounding can only empty a residual whose every remaining token had mass ~0; fall back to p at the node
     empty = ~(residual.sum(-1) > 0)
     residual = torch.where(empty[:, None], probs[rows, node], residual)
-    return make_result(tree, tokens, node, torch.multinomial(residual, 1, generator=generator)[:, 0])
+    return make_result(tree, tokens, node, draws.pick(residual))
+
+
+def _after_rejection(residual: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """[B, V] r, [B, V] q (None: the one-hot of x [B, 1]) -> norm(max(0, r - q)), the law of the token given that x
+    was rejected. r = q exactly (mass 0) cannot reject; the guard is for rounding."""
+    leftover = residual.scatter(1, x, 0.0) if q is None else (residual - q).clamp(min=0)
+    mass = leftover.sum(-1, keepdim=True)
+    return torch.where(mass > 0, leftover / mass.clamp(min=1e-30), residual)
+
+
+def _without(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[B, V] q with the token x [B, 1] removed and renormalised: the law of the next sibling drawn without
+    replacement."""
+    dropped = q.scatter(1, x, 0.0)
+    return dropped / dropped.sum(-1, keepdim=True).clamp(min=1e-30)
