@@ -88,6 +88,7 @@ class Row:
     wall: float
     forwards: int
     steps: int
+    accepted: int  # accepted drafts, all steps
     identical_own: int  # answers identical to the same stack's plain greedy
     identical_ours: int  # answers identical to our plain greedy (ar)
     answers: int
@@ -127,6 +128,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Row]:
         rows[name] = Row(
             name=name, tokens=sum(len(t["tokens"]) for t in turns), wall=sum(t["wall"] for t in turns),
             forwards=sum(t["forwards"] for t in turns), steps=sum(len(t["accepted"]) for t in turns),
+            accepted=sum(sum(t["accepted"]) for t in turns),
             identical_own=_identical(turns, own_turns), identical_ours=_identical(turns, ref_turns),
             answers=len(turns), times=times,
         )
@@ -185,8 +187,9 @@ def goal_lines(rows: dict[str, Row]) -> list[str]:
 
 
 def format_breakdown(record: dict[str, Any]) -> str:
-    """Mean milliseconds per decoding step of each phase, for the methods that time their phases; tokens/step leaves
-    out each answer's first token, which the prefill commits."""
+    """Mean milliseconds per decoding step of each phase, for the methods that time their phases; tokens/step is
+    1 + the mean accepted drafts (our prefill commits an answer's first token, Medusa's prefill commits none and its
+    first step commits that token: hence its one extra forward per answer in τ)."""
     rows = [r for r in summarize(record).values() if r.times is not None and r.steps]
     if not rows:
         return ""
@@ -194,7 +197,7 @@ def format_breakdown(record: dict[str, Any]) -> str:
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in PHASES[1:]) + " | ---: | ---: |"]
     for r in rows:
         per = [1000 * r.times[p] / r.steps for p in PHASES[1:]]
-        lines.append(f"| {METHODS[r.name].label} | {r.steps} | {(r.tokens - r.answers) / r.steps:.2f} | "
+        lines.append(f"| {METHODS[r.name].label} | {r.steps} | {1 + r.accepted / r.steps:.2f} | "
                      + " | ".join(f"{x:.1f}" for x in per) + f" | {sum(per):.1f} | "
                      f"{1000 * r.times['prefill'] / r.answers:.1f} |")
     return "\n".join(lines)

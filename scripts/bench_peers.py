@@ -44,7 +44,7 @@ EAGLE_REASON = ("eagle-llm 1.2.1 decodes only with a trained EAGLE draft head fo
                 "(EaModel.from_pretrained(base_model_path, ea_model_path): a one-layer autoregressive head over the "
                 "target's features); none exists for SmolLM2 and training one is out of this bench's scope, and an "
                 "untrained head would measure nothing fair")
-WARMUP_TOKENS = 16
+WARMUP_TOKENS = 8
 Turn = dict[str, Any]
 
 
@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default="early_exit:smollm2:8",
                    help="the draft model for hf_assisted and ours (dir, builtin:<name>, early_exit:<model>:<N>, or "
                         "a draft_model checkpoint)")
+    p.add_argument("--draft-stop", help="our draft-model decoding's stop policy (inference.draft_stop: fixed, "
+                                        "confidence:<t>, learned[:<t>]); default: the engine's (fixed, 4 tokens). "
+                                        "confidence:0.4 is the rule of HF assisted generation's default")
     p.add_argument("--prompts", default="mt_bench:8", help="prompt sets as in `inference bench --questions`")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
@@ -78,6 +81,8 @@ def fail(message: str) -> SystemExit:
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
     """Everything that can fail before a model loads or a venv is made; returns (peers, medusa choices)."""
+    from inference.cli import UsageError
+
     peers = [x for x in args.peers.split(",") if x]
     if not peers or any(x not in PEERS for x in peers) or len(set(peers)) != len(peers):
         raise fail(f"--peers {args.peers!r}: a comma list of distinct names from {', '.join(PEERS)}")
@@ -98,7 +103,13 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
         if not is_draft_model(args.draft):
             raise fail(f"--draft {args.draft}: not a causal LM directory, builtin:<name>, early_exit:<model>:<N> or "
                        f"draft_model checkpoint")
-    from inference.cli import UsageError
+        if args.draft_stop is not None:
+            from inference.draft_stop import check_stop_spec
+
+            try:
+                check_stop_spec(args.draft_stop, False)
+            except (UsageError, ValueError) as e:
+                raise fail(f"--draft-stop: {e}") from None
     from inference.prompt_sets import is_set_spec, parse_sets
 
     if is_set_spec(args.prompts):
@@ -280,7 +291,7 @@ def build_ours(args: argparse.Namespace, peers: list[str], choices: list[int] | 
         runners["ours_medusa"] = engine_turn(Engine(model, drafter))
         record["config"]["tree_nodes"] = drafter.tree.num_nodes if hasattr(drafter, "tree") else None
     if "hf_assisted" in peers:
-        drafter = DRAFTER_BUILDERS["draft_model"](P(args.draft), model, DrafterOptions(), device)
+        drafter = DRAFTER_BUILDERS["draft_model"](P(args.draft), model, DrafterOptions(draft_stop=args.draft_stop), device)
         runners["hf_assisted"] = hf_turn(HFRunner(model, eos, pad, greedy, {"assistant_model": drafter.model}))
         runners["ours_draft"] = engine_turn(Engine(model, drafter))
         record["config"]["hf_assisted"] = {"draft": args.draft, **assisted_settings(drafter.model)}
@@ -311,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "config": {"base": args.base, "prompts": args.prompts, "num_prompts": len(questions),
                    "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": args.threads,
-                   "heads": args.heads, "medusa_choices": choices, "draft": args.draft, "peers": peers},
+                   "heads": args.heads, "medusa_choices": choices, "draft": args.draft, "draft_stop": args.draft_stop,
+                   "peers": peers},
         "versions": {"ours": our_versions()}, "patches": {}, "unavailable": {}, "methods": {},
     }
     if "eagle" in peers:

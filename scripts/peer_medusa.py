@@ -22,7 +22,8 @@ Runtime patches (listed in the init reply, so the bench prints them):
     gqa_cache    `initialize_past_key_values` allocates num_attention_heads KV heads; a grouped-query model
                  (SmolLM2: 9 query / 3 KV heads) writes num_key_value_heads, so the buffer uses that
     config       the target's config.json (written by transformers 5: rope_parameters, dtype) is rewritten with
-                 rope_theta / torch_dtype for this transformers, weights linked, not copied
+                 rope_theta / torch_dtype for this transformers, and tokenizer.json with its BPE merges as strings
+                 (tokenizers 0.14 cannot read merge pairs); weights linked, not copied
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def prepare_base(model_dir: Path, base_dir: Path) -> None:
         config["torch_dtype"] = config.pop("dtype")
     config.pop("transformers_version", None)
     (base_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("model.safetensors", "tokenizer.json", "generation_config.json"):
+    write_old_tokenizer(model_dir / "tokenizer.json", base_dir / "tokenizer.json")
+    for name in ("model.safetensors", "generation_config.json"):
         link = base_dir / name
         if (model_dir / name).exists() and not link.exists():
             link.symlink_to((model_dir / name).resolve())
@@ -66,7 +68,19 @@ def prepare_base(model_dir: Path, base_dir: Path) -> None:
     keep = {k: tok[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token", "model_max_length") if k in tok}
     (base_dir / "tokenizer_config.json").write_text(json.dumps({**keep, "tokenizer_class": "PreTrainedTokenizerFast"}))
     PATCHES.append(f"config: {model_dir}/config.json rewritten for transformers 4.x into {base_dir} "
-                   f"(rope_theta={config.get('rope_theta')}, torch_dtype={config.get('torch_dtype')})")
+                   f"(rope_theta={config.get('rope_theta')}, torch_dtype={config.get('torch_dtype')}); "
+                   f"tokenizer.json merges rewritten as strings")
+
+
+def write_old_tokenizer(src: Path, dst: Path) -> None:
+    """tokenizer.json as tokenizers 0.14 parses it: BPE merges as "a b" strings (newer files store pairs), without
+    the model keys it does not know. MedusaModel builds the tokenizer although this driver passes only ids."""
+    data = json.loads(src.read_text())
+    model = data.get("model", {})
+    if model.get("merges") and isinstance(model["merges"][0], list):
+        model["merges"] = [" ".join(pair) for pair in model["merges"]]
+    model.pop("ignore_merges", None)
+    dst.write_text(json.dumps(data))
 
 
 def patch_rope() -> None:

@@ -167,6 +167,7 @@ def test_from_record_prints_the_table(tmp_path):
     (["--peers", "medusa", "--heads", "{vocab}", "--medusa-choices", "1,3"], "full vocabulary"),
     (["--peers", "hf_assisted", "--draft", "/no/such/model"], "--draft /no/such/model"),
     (["--peers", "hf_pld", "--prompts", "nosuchset:3"], "--prompts"),
+    (["--peers", "hf_assisted", "--draft-stop", "sometimes"], "--draft-stop"),
 ])
 def test_bad_arguments_fail_in_one_line(tmp_path, args, message):
     ckpt, vocab = tmp_path / "ckpt", tmp_path / "vocab"
