@@ -10,7 +10,8 @@ which peer it is compared with. Definitions (the same as `python -m inference be
     tau     new tokens / target forwards (1.0 for plain decoding)
     xgreedy tok/s / tok/s of the plain greedy of the same stack
     ours/peer  tok/s of our method / tok/s of the peer it replaces
-    =greedy answers token-identical to the same stack's plain greedy / to our plain greedy (ar)
+    =greedy answers token-identical to the same stack's plain greedy / to our plain greedy (ar); the others are
+            judged at their first differing token in float64 (record "divergences": near-tie or mismatch)
 
 Medusa's tree: medusa-llm 0.1 (the PyPI release) takes `medusa_choices=[1, k_1, ..., k_H]`, the full cartesian tree
 whose depth-d nodes are every combination of the top-k_1 .. top-k_d candidates of heads 1..d. `cartesian_paths`
@@ -160,12 +161,20 @@ def format_table(record: dict[str, Any]) -> str:
         vs = row.tok_s / peer.tok_s if peer else None
         own = f"{row.identical_own}/{row.answers}" if row.identical_own >= 0 else "—"
         ours = f"{row.identical_ours}/{row.answers}" if row.identical_ours >= 0 else "—"
+        ties = sum(d["near_tie"] for d in (record.get("divergences") or {}).get(name, []))
+        if ties:
+            ours += f" (+{ties} near-tie)"
         lines.append(f"| {m.label} | {m.stack} | {row.tok_s:.2f} | {row.tau:.2f} | {_fmt(ratio, '.2f')} | "
                      f"{_fmt(vs, '.2f')} | {own} | {ours} |")
     for peer, reason in (record.get("unavailable") or {}).items():
         lines.append(f"| {peer}: not run | — | — | — | — | — | — | — |")
     out = ["\n".join(lines), ""]
     out += goal_lines(rows)
+    for name, found in (record.get("divergences") or {}).items():
+        for d in found:
+            kind = "near-tie" if d["near_tie"] else "MISMATCH"
+            out.append(f"{kind}: {METHODS[name].label}, prompt {d['prompt']}, new token {d['index']}: "
+                       f"{d['method']} where our greedy has {d['ours']}")
     for peer, reason in (record.get("unavailable") or {}).items():
         out.append(f"{peer} not run: {reason}")
     return "\n".join(out)

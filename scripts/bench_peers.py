@@ -337,7 +337,10 @@ def run(args: argparse.Namespace) -> int:
             runners["medusa"] = peer_turn(medusa, "medusa")
         runners = order_methods(runners)
         prompts = [encode_messages(session, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+        record["prompts"] = prompts
         record["methods"] = alternate(runners, prompts, args)
+        print("[ours] judging every divergence from our plain greedy in float64", file=sys.stderr, flush=True)
+        record["divergences"] = judge_divergences(record, session.engine.model)
     finally:
         if medusa is not None:
             medusa.close()
@@ -368,6 +371,29 @@ def alternate(runners: dict[str, Callable], prompts: list[list[int]], args: argp
             print(f"[prompt {i + 1}/{len(prompts)}] {name}: {len(turn['tokens'])} tokens, {rate:.2f} tok/s, "
                   f"{time.monotonic() - start:.0f} s elapsed", file=sys.stderr, flush=True)
     return {n: {"turns": t} for n, t in turns.items()}
+
+
+def judge_divergences(record: dict[str, Any], model: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each answer that differs from our plain greedy (ar), judged at its first differing token by the bench's rule
+    (inference.greedy_ties: near-tie when float rounding of the run's dtype can explain it, else mismatch). The
+    target is the same weights in every stack, so our float64 rerun rules on the peers' answers too."""
+    from inference.greedy_ties import Fp64Judge, TieVerdict, first_divergence
+
+    judge = Fp64Judge(model)
+    reference = record["methods"]["ar"]["turns"]
+    found: dict[str, list[dict[str, Any]]] = {}
+    for name, method in record["methods"].items():
+        if name == "ar":
+            continue
+        found[name] = []
+        for i, (ref, turn) in enumerate(zip(reference, method["turns"])):
+            d = first_divergence(record["prompts"][i], ref["tokens"], turn["tokens"])
+            if d is None:
+                continue
+            verdict = judge(d) if d.left is not None and d.right is not None else TieVerdict(False)
+            found[name].append({"prompt": i, "index": d.index, "ours": d.left, "method": d.right,
+                                "near_tie": verdict.near_tie, "relative_gap": verdict.relative_gap})
+    return found
 
 
 def render(record: dict[str, Any]) -> str:
