@@ -1,4 +1,5 @@
-"""Medusa heads in and out of other projects' layouts: the original repository's checkpoints in, vLLM's layout out.
+"""Medusa heads in and out of other projects' layouts: the original repository's checkpoints in and out (`export_medusa`,
+for running the heads in FasterDecoding's own engine), vLLM's layout out.
 
 Dimension letters: K heads, L residual blocks per head, D hidden, V vocab.
 
@@ -357,6 +358,78 @@ def export_vllm(src: str | os.PathLike, dst: str | os.PathLike, base_model: str 
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / VLLM_WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    atomic_write_dir(dst, write)
+    return dst
+
+
+def medusa_state(heads: MedusaHeads, base_lm_head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The weights under the original layout's keys, every head with its own vocab projection: heads that reuse the
+    base lm_head get a copy of `base_lm_head` [V, D] (the original `MedusaModel` builds one projection per head, so
+    this is the only layout every version of its loader reads the same way)."""
+    config = heads.config
+    if config.share_lm_head and base_lm_head is None:
+        raise ValueError("these heads reuse the base lm_head; pass its weight as base_lm_head")
+    dtype = next(heads.parameters()).dtype
+    state: dict[str, torch.Tensor] = {}
+    for k, head in enumerate(heads.heads):
+        for j, block in enumerate(head.blocks):
+            state[f"{k}.{j}.linear.weight"] = block.linear.weight
+            state[f"{k}.{j}.linear.bias"] = block.linear.bias
+        projection = head.lm_head.weight if head.lm_head is not None else base_lm_head
+        state[f"{k}.{config.num_layers}.weight"] = projection.to(dtype)
+    # clone: torch.save would otherwise store one shared storage for the K copies of the lm_head
+    return {name: t.detach().to("cpu").clone().contiguous() for name, t in state.items()}
+
+
+def check_medusa_blocks_repeatable(heads: MedusaHeads, src: Path) -> None:
+    """The original builds a head's L blocks as `[ResBlock(d)] * L` (one shared weight): heads whose blocks differ
+    cannot be expressed in its layout."""
+    for k, head in enumerate(heads.heads):
+        first = head.blocks[0] if len(head.blocks) else None
+        for j, block in enumerate(list(head.blocks)[1:], start=1):
+            same = all(torch.equal(a, b) for a, b in zip(first.parameters(), block.parameters()))
+            if not same:
+                raise CheckpointError(f"{src}: head {k} block {j} differs from block 0; FasterDecoding/Medusa shares "
+                                      f"one block weight per head (num_layers > 1 is not expressible)")
+
+
+def export_medusa(src: str | os.PathLike, dst: str | os.PathLike, base_model: str | None = None,
+                  base_model_name_or_path: str | None = None) -> Path:
+    """Write the drafter at `src` in FasterDecoding/Medusa's layout at `dst` (atomic, config.json last):
+    `medusa_lm_head.pt` (a pickled state dict of tensors, the file the original loader reads) and `config.json`
+    with medusa_num_heads, medusa_num_layers, base_model_name_or_path, hidden_size and vocab_size. Heads that reuse
+    the base lm_head get a copy of it each, read from `base_model` (default: the checkpoint's
+    base_model_name_or_path). `base_model_name_or_path` is what config.json names as the base (default: the
+    checkpoint's); the original's loader opens it with `from_pretrained`, so give it a Hugging Face folder there."""
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise CheckpointError(f"{dst}: destination must differ from the source directory")
+    loaded = load_drafter(src, dtype=stored_dtype(src))
+    heads = loaded.heads
+    if heads.vocab_ids is not None:
+        raise CheckpointError(f"{src}: heads with a draft vocabulary (draft_vocab_size="
+                              f"{heads.config.draft_vocab_size}) have no FasterDecoding/Medusa layout; train without "
+                              f"method.draft_vocab to export")
+    check_medusa_blocks_repeatable(heads, src)
+    base = base_model or loaded.config.get("base_model_name_or_path")
+    base_lm_head = None
+    if heads.config.share_lm_head:
+        if not base:
+            raise CheckpointError(f"{src}: heads reuse the base lm_head and no base model is known; pass base_model")
+        base_lm_head = base_lm_head_weight(base, heads, loaded.config)
+    state = medusa_state(heads, base_lm_head)
+    config = {
+        "medusa_num_heads": heads.config.num_heads,
+        "medusa_num_layers": heads.config.num_layers,
+        "base_model_name_or_path": base_model_name_or_path or loaded.config.get("base_model_name_or_path"),
+        "hidden_size": heads.config.hidden_size,
+        "vocab_size": heads.config.vocab_size,
+    }
+
+    def write(tmp: Path) -> None:
+        torch.save(state, tmp / MEDUSA_WEIGHT_FILES[1])
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     atomic_write_dir(dst, write)
