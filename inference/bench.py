@@ -40,11 +40,12 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
+from data.errors import UsageError
 from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
                                      build_runners, pld_defaults)
 from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
-from inference.cli import (UsageError, add_model_args, add_sampling_args, check_sampling, checkpoint_config,
-                           encode_messages, open_session)
+from inference.session import (add_model_args, add_sampling_args, check_sampling, checkpoint_config, encode_messages,
+                               open_session)
 from inference.greedy_ties import Fp64Judge
 from inference.prompt_sets import DEFAULT_QUESTIONS, PROMPT_SETS, Question, load_questions
 

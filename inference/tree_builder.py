@@ -28,8 +28,10 @@ from typing import Any, Sequence
 
 import torch
 
-from inference.cli import UsageError, add_model_args, encode_messages, open_session
+from data.config import load_data_config
+from data.errors import UsageError
 from inference.devices import input_device
+from inference.session import add_model_args, encode_messages, open_session
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -111,27 +113,6 @@ def score_heads(counter: RankCounter, heads: Any, hidden: torch.Tensor, labels: 
         if keep.any():
             logits = heads.head_logits(k, h[keep], base_lm_head).float()
             counter.add(k, logits, targets[keep].to(logits.device))
-
-
-def data_config(name: str, overrides: dict[str, Any]) -> Any:
-    """conf/data/<name>.yaml on the training schema, with command-line overrides (None values skipped)."""
-    from importlib import resources
-
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from train.config import DataConfig
-
-    conf = resources.files("conf").joinpath("data", f"{name}.yaml")
-    if not conf.is_file():
-        folder = resources.files("conf").joinpath("data")
-        known = sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
-        raise UsageError(f"--data {name}: unknown data config; available: {', '.join(known)}")
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(str(conf)))
-        return OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if v is not None})
-    except OmegaConfBaseException as e:
-        raise UsageError(f"--data {name}: {str(e).splitlines()[0]}") from None
 
 
 def measure_accuracy(session: Any, cfg: Any, split: str, source: str, greedy_tokens: int, batch_size: int,
@@ -316,9 +297,9 @@ def run_build_tree(args: argparse.Namespace) -> int:
     drafter = session.engine.drafter
     if not isinstance(drafter, MedusaDrafter):
         raise UsageError(f"--drafter {session.drafter_name}: build-tree needs a Medusa heads checkpoint")
-    cfg = data_config(args.data, {"path": args.data_path, "max_samples": args.max_samples,
-                                  "max_length": args.max_length,
-                                  "chat_template": session.chat_template if args.source == "data" else None})
+    cfg = load_data_config(args.data, {"path": args.data_path, "max_samples": args.max_samples,
+                                       "max_length": args.max_length,
+                                       "chat_template": session.chat_template if args.source == "data" else None})
     topk = min(MEDUSA_TOPK, drafter.heads.config.out_size)
     accuracy, scored = measure_accuracy(session, cfg, args.split, args.source, args.greedy_tokens, args.batch_size,
                                         topk)

@@ -49,6 +49,7 @@ from models.checkpoint import (
     medusa_config_dict,
     save_drafter,
 )
+from models.loading import load_target, resolve_model_path
 from models.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # preferred first
@@ -223,8 +224,6 @@ def base_vocab_size(base: str | None) -> int | None:
         return None
     from transformers import AutoConfig
 
-    from models.loading import resolve_model_path
-
     try:
         config = AutoConfig.from_pretrained(resolve_model_path(base), local_files_only=True)
     except (OSError, ValueError, ImportError):  # not local, not cached, or no builder for a builtin name
@@ -232,8 +231,16 @@ def base_vocab_size(base: str | None) -> int | None:
     return getattr(config.get_text_config(), "vocab_size", None)
 
 
+def load_heads(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+               ) -> LoadedDrafter:
+    """Medusa heads from an original-Medusa directory (medusa_lm_head.*) or a draftsmith checkpoint."""
+    if is_medusa_dir(path):
+        return load_medusa_dir(path, device, dtype)
+    return load_drafter(path, device, dtype)
+
+
 def load_medusa_dir(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedDrafter:
-    """An original-Medusa directory as a LoadedDrafter (the hook behind models.checkpoint.load_drafter)."""
+    """An original-Medusa directory as a LoadedDrafter (see `load_heads`)."""
     heads, base = import_medusa(path)
     config = {**medusa_config_dict(heads.config), "base_model_name_or_path": base, "source_format": SOURCE_FORMAT}
     heads.to(device=device, dtype=dtype)
@@ -312,8 +319,6 @@ def vllm_state(heads: MedusaHeads, base_lm_head: torch.Tensor | None = None) -> 
 
 def base_lm_head_weight(base_model: str, heads: MedusaHeads, drafter_config: dict[str, Any]) -> torch.Tensor:
     """The base model's output-embedding weight [V, D], after checking that the heads fit the model."""
-    from models.loading import load_target
-
     dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[next(heads.parameters()).dtype]
     model = load_target(base_model, dtype=dtype)
     check_compatible(drafter_config, model.config)
@@ -341,7 +346,7 @@ def export_vllm(src: str | os.PathLike, dst: str | os.PathLike, base_model: str 
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst}: destination must differ from the source directory")
-    loaded = load_drafter(src, dtype=stored_dtype(src))
+    loaded = load_heads(src, dtype=stored_dtype(src))
     if loaded.heads.vocab_ids is not None:  # vLLM's truncated vocabulary assumes ids [0, S), not a frequency shortlist
         raise CheckpointError(f"{src}: heads with a draft vocabulary (draft_vocab_size="
                               f"{loaded.heads.config.draft_vocab_size}) have no vLLM layout; train without "

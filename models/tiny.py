@@ -123,6 +123,12 @@ class BuildInfo:
     format_version: int = FORMAT_VERSION
 
 
+def is_built(name: str, cache_dir: Path | None = None) -> bool:
+    """Whether model `name` is complete in the cache (resolving it then loads, never trains)."""
+    _check_name(name)
+    return is_complete((cache_root() if cache_dir is None else Path(cache_dir)) / "models" / name, FORMAT_VERSION)
+
+
 def ensure_built(name: str, progress: bool = True, cache_dir: Path | None = None, force: bool = False) -> Path:
     """Directory of the built model `name`, building it (and the shared tokenizer) first when missing.
 

@@ -434,7 +434,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from data.collate import ChatCollator
     from data.datasets import SplitDatasets, build_datasets
     from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
-    from train.cli import check_values
+    from train.checks import check_values
 
     check_values(cfg)  # again for each job of a multirun, whose values were not checked before Hydra started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

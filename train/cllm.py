@@ -37,7 +37,7 @@ from inference.jacobi import INITS
 from models.backbone import final_hidden
 from models.checkpoint import CheckpointError, backbone_folder, save_model_drafter
 from train.base import StepOutput
-from train.cli import UsageError
+from data.errors import UsageError
 from train.medusa2_backbone import (
     BACKBONES, BackboneOptions, backbone_writer, is_lora, load_backbone_weights, original_model, prepare_backbone)
 from train.quality_guard import eval_mode, scored_logits

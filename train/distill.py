@@ -112,7 +112,7 @@ def draft_path(draft: str) -> str:
 
 class Method:
     def __init__(self, cfg: DictConfig) -> None:
-        from train.cli import UsageError
+        from data.errors import UsageError
 
         self.cfg = cfg
         self.m = cfg.method

@@ -81,7 +81,7 @@ def deepspeed_settings(cfg: DictConfig) -> dict[str, Any] | None:
     if cfg.deepspeed.config is None:
         return None
     from models.loading import ModelLoadError, resolve_model_path
-    from train.cli import UsageError
+    from data.errors import UsageError
 
     name = cfg.deepspeed.name
     if cfg.model.quantization not in (None, "none"):

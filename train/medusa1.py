@@ -21,7 +21,7 @@ from models.backbone import final_hidden
 from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
 from train.base import StepOutput
-from train.cli import UsageError
+from data.errors import UsageError
 from train.distributed import gathered
 
 TOPK = (1, 5)

@@ -118,7 +118,7 @@ class Method:
     """A standalone method (train.base.Standalone): it runs its own loop instead of the HF Trainer."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        from train.cli import UsageError
+        from data.errors import UsageError
 
         self.cfg = cfg
         m = cfg.method
