@@ -24,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from data.chat import Conversation, encode_prompt
+from data.readers import DataError, read_conversations
+from data.templates import ChatTemplateError
+from inference.api import load
+from models.checkpoint import CheckpointError
+from models.loading import ModelLoadError, load_tokenizer, model_settings
 
 log = logging.getLogger("draftsmith.self_distill")
 
@@ -210,12 +215,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-
-    from data.readers import DataError, read_conversations
-    from data.templates import ChatTemplateError
-    from inference.api import load
-    from models.checkpoint import CheckpointError
-    from models.loading import ModelLoadError, load_tokenizer, model_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)

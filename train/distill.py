@@ -23,8 +23,11 @@ from omegaconf import DictConfig
 from torch import nn
 
 from data.chat import IGNORE_INDEX
+from data.errors import UsageError
+from inference.draft_model import check_vocab, check_vocab_files
 from models.backbone import padded_position_ids
 from models.checkpoint import draft_model_folder, save_draft_model
+from models.loading import load_target
 from train.base import StepOutput
 
 DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
@@ -112,8 +115,6 @@ def draft_path(draft: str) -> str:
 
 class Method:
     def __init__(self, cfg: DictConfig) -> None:
-        from data.errors import UsageError
-
         self.cfg = cfg
         self.m = cfg.method
         if self.m.divergence not in DIVERGENCES:
@@ -132,21 +133,15 @@ class Method:
     def check_inputs(self, tokenizer: Any) -> None:
         """The draft shares the target's vocabulary and tokenizer: from their files, before any model loads or any
         data is generated (train.base.ChecksInputs)."""
-        from inference.draft_model import check_vocab_files
-
         check_vocab_files(draft_path(self.m.draft), self.cfg.model.path, tokenizer, f"method.draft={self.m.draft}",
                           self.cfg.model.trust_remote_code)
 
     def _load_draft(self, frozen: bool) -> nn.Module:
-        from models.loading import load_target
-
         return load_target(draft_path(self.m.draft), dtype=self.m.draft_dtype,
                            attn_implementation=self.cfg.model.attn_implementation,
                            trust_remote_code=self.cfg.model.trust_remote_code, frozen=frozen)
 
     def build(self, target: nn.Module, tokenizer: Any) -> DistillTrainModule:
-        from inference.draft_model import check_vocab
-
         draft = self._load_draft(frozen=False)
         check_vocab(draft, target)
         draft.train().requires_grad_(True)
