@@ -5,7 +5,7 @@ Every subcommand loads a `Session` the same way (inference.session: a base model
 change here:
     a draftsmith checkpoint directory   config.json names the drafter type (api.DRAFTER_BUILDERS) and the base model
     a plain causal LM (dir, builtin:..)  a draft model for --base; early_exit:<model>:<N> is <model>'s first N layers
-    a registered name (api.NAMED_DRAFTERS: jacobi, lookahead, prompt_lookup, ...), optionally "name:key=value,...";
+    a registered name (training_free.NAMED_DRAFTERS: jacobi, lookahead, prompt_lookup), optionally "name:k=v,...";
                                         --drafter-option KEY=VALUE pairs are appended to that spec
     none (the default)                  plain autoregressive decoding through the same loop
 

@@ -17,9 +17,11 @@ import torch
 from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
-from inference.api import NAMED_DRAFTERS, load
+from inference.api import load
+from inference.drafter_spec import DrafterSpec
 from inference.draft_model import is_plain_model
 from inference.draft_stop import check_stop_spec
+from inference.training_free import NAMED_DRAFTERS, named_spec
 from models.checkpoint import read_drafter_config, read_token_counts
 from models.loading import MODEL_PREFIXES, TOKENIZER_FILES, load_tokenizer, model_settings
 
@@ -94,16 +96,14 @@ def named_drafters() -> list[str]:
 
 def drafter_spec(name: str, pairs: Sequence[str]) -> str:
     """--drafter plus --drafter-option pairs as one `inference.api.load` spec ("name:key=value,...")."""
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key or "," in pair:
-            raise UsageError(f"--drafter-option {pair!r}: expected KEY=VALUE (no commas)")
+    extra = DrafterSpec("").with_pairs(pairs)  # checks each pair, whatever the drafter
     if not pairs:
         return name
-    if name.partition(":")[0] not in named_drafters()[1:]:
+    spec = named_spec(name)
+    if spec is None:
         raise UsageError(f"--drafter-option applies to registered drafters ({', '.join(named_drafters()[1:])}); "
                          f"--drafter {name} carries its own settings")
-    return name + ("," if ":" in name else ":") + ",".join(pairs)
+    return str(DrafterSpec(spec.name, (*spec.options, *extra.options)))
 
 
 def _trained_dtype(config: dict[str, Any] | None) -> str | None:
@@ -131,7 +131,7 @@ def open_session(args: argparse.Namespace) -> Session:
     name = args.drafter or "none"
     spec = drafter_spec(name, args.drafter_option)
     config = checkpoint_config(name)
-    if config is None and name.partition(":")[0] not in named_drafters() and not name.startswith(MODEL_PREFIXES) \
+    if config is None and name != "none" and named_spec(name) is None and not name.startswith(MODEL_PREFIXES) \
             and not Path(name).is_dir():
         raise UsageError(f"--drafter {name}: no such checkpoint or model directory, and not a registered drafter "
                          f"({', '.join(named_drafters())})")

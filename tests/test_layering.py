@@ -203,12 +203,14 @@ def test_function_local_project_imports_are_justified() -> None:
 def test_rule_sees_a_planted_upward_import(tmp_path: Path) -> None:
     """The reader is not vacuous: an upward and a cyclic import written into a file are both found."""
     path = tmp_path / "planted.py"
-    path.write_text("import models.loading\n\ndef f():\n    from train.cli import main\n")
+    path.write_text("import models.loading\n\ndef f():\n    from train.cli import main\n\n"
+                    "if __name__ == \"__main__\":\n    from inference.cli import main\n")
     known = set(module_files())
     found = imports_of("data.planted", path, known | {"data.planted"})
-    assert [(e.target, e.local, e.justified) for e in found] == [("models.loading", False, False),
-                                                                  ("train.cli", True, False)]
-    assert [e.target for e in upward(found)] == ["models.loading", "train.cli"]
+    assert [(e.target, e.local, e.justified, e.main) for e in found] == [
+        ("models.loading", False, False, False), ("train.cli", True, False, False), ("inference.cli", False, False, True)]
+    assert [e.target for e in upward(found)] == ["models.loading", "train.cli"]  # a __main__ block is a tool
+    assert [e.target for e in import_time(found)] == ["models.loading", "train.cli"]
     loop = [Import("a", "b", 1, False, False), Import("b", "c", 1, False, False), Import("c", "a", 1, False, False)]
     assert cycles(loop) == [["a", "b", "c"]]
 
