@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch.utils.data
 
-from data.chat import IGNORE_INDEX, encode_chat, encode_prompt
+from data.chat import IGNORE_INDEX, encode_chat, encode_prompt, first_user_turn
 from data.datasets import load_conversations
 from data.readers import DataError
 
@@ -97,10 +97,11 @@ def prompt_samples(data_cfg: Any, tokenizer: Any, split: str = "train", max_prom
     chat-encoded as the ground truth. Ids are "<split>:<index>"."""
     samples = []
     for index, conv in enumerate(load_conversations(data_cfg, split)):
-        user = next((i for i, m in enumerate(conv) if m["role"] == "user"), None)
-        if user is None:
+        turn = first_user_turn(conv)
+        if turn is None:
             continue
-        prompt = encode_prompt(tokenizer, conv[: user + 1], chat_template=data_cfg.chat_template)
+        user = len(turn) - 1
+        prompt = encode_prompt(tokenizer, turn, chat_template=data_cfg.chat_template)
         answer_ids, answer_labels = (), ()
         if user + 1 < len(conv) and conv[user + 1]["role"] == "assistant":
             encoded = encode_chat(tokenizer, conv[: user + 2], data_cfg.max_length, data_cfg.chat_template)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from data.collate import left_pad
 from inference.devices import input_device, output_device
 from inference.draft_model import build_draft_model_drafter, is_plain_model, plain_model_config
 from inference.drafters import Drafter, MedusaDrafter, NoDrafter
@@ -25,6 +26,7 @@ from models.checkpoint import (
     CONFIG_NAME, CheckpointError, check_compatible, head_vocabulary, load_drafter, load_drafter_target,
     read_drafter_config,
 )
+from models.backbone import eos_token_ids
 from models.loading import load_target
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
@@ -120,7 +122,7 @@ class Engine:
         "typical" is Medusa's LOSSY typical acceptance. Stops at the model's EOS ids unless `ignore_eos`, and after
         any `stop` id sequence, or where `stream(row, new_tokens)` returns True."""
         input_ids, attention_mask = self._batch(prompt_ids, attention_mask)
-        eos = () if ignore_eos else _eos_ids(self.model)
+        eos = () if ignore_eos else eos_token_ids(self.model)
         config = DecodeConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
@@ -140,19 +142,7 @@ class Engine:
         rows = [list(prompt_ids)] if prompt_ids and isinstance(prompt_ids[0], int) else [list(r) for r in prompt_ids]
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("prompt_ids: every prompt needs at least one token")
-        width = max(map(len, rows))
-        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        return ids, mask
-
-
-def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return left_pad(rows, 0, self.device)
 
 
 def load(

@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
+from data.collate import left_pad
 from data.config import load_data_config
 from data.errors import UsageError
 from data.jacobi import PromptSample, done_ids, prompt_samples, trajectory_record
 from inference.jacobi import INITS, JacobiOptions, jacobi_blocks
+from models.backbone import eos_token_ids
 from models.loading import load_target, load_tokenizer, model_settings
 
 
@@ -40,9 +41,7 @@ def collect(model: Any, samples: Sequence[PromptSample], output: Path, options: 
                                       unit="prompt", disable=not progress) as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            width = max(len(s.prompt_ids) for s in batch)
-            ids = torch.tensor([[pad_token_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids) for s in batch])
-            mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in batch])
+            ids, mask = left_pad([s.prompt_ids for s in batch], pad_token_id)  # [B, T] each
             trajectories = jacobi_blocks(model, ids.to(device), mask.to(device), options, num_blocks, pad_token_id,
                                          eos_token_ids)
             for sample, row in zip(batch, trajectories):
@@ -87,10 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(path, cfg.chat_template)
         samples = prompt_samples(cfg, tokenizer, args.split, args.max_prompts)
         model = load_target(path, dtype=args.dtype)
-        eos = model.config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         written = collect(model, samples, args.output, options, -(-args.max_new_tokens // args.block_size),
-                          args.batch_size, tokenizer.pad_token_id or 0, eos_ids, args.max_repeat)
+                          args.batch_size, tokenizer.pad_token_id or 0, eos_token_ids(model), args.max_repeat)
     except (ValueError, OSError) as e:  # UsageErrors (data, model, config) are ValueErrors
         print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         return 1

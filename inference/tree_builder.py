@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from data.chat import encode_chat, encode_text
+from data.chat import encode_chat, encode_text, first_user_turn
 from data.config import load_data_config
 from data.datasets import load_conversations
 from data.errors import UsageError
@@ -158,9 +158,9 @@ def greedy_samples(session: Any, conversations: list, new_tokens: int, batch_siz
     plain = Engine(session.engine.model, NoDrafter())
     prompts = []
     for conversation in conversations:
-        first = next((i for i, m in enumerate(conversation) if m["role"] == "user"), None)
-        if first is not None:
-            prompts.append(encode_messages(session, conversation[: first + 1])[-max_length:])
+        turn = first_user_turn(conversation)
+        if turn is not None:
+            prompts.append(encode_messages(session, turn)[-max_length:])
     samples = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]

@@ -25,6 +25,10 @@ MODEL_PREFIXES = (BUILTIN_PREFIX, EARLY_EXIT_PREFIX)  # model names draftsmith r
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 QUANTIZATIONS = (None, "none", "nf4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one will do
+TOKENIZER_COPY_FILES = (  # every file a tokenizer may consist of: what copying one takes
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+)
 
 
 class ModelLoadError(UsageError):

@@ -49,16 +49,13 @@ from models.checkpoint import (
     medusa_config_dict,
     save_drafter,
 )
+from models.builtin import TOKENIZER_COPY_FILES
 from models.loading import load_target, resolve_model_path
 from models.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # preferred first
 VLLM_WEIGHTS_NAME = "model.safetensors"
 SOURCE_FORMAT = "FasterDecoding/Medusa"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
-)
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 _PREFIX = "medusa_head."  # keys of the whole MedusaModel state dict
 
@@ -276,7 +273,7 @@ def convert_medusa(
     base = base_model or base
     if not base:
         raise CheckpointError(f"{src / CONFIG_NAME}: no base_model_name_or_path; pass base_model (--base-model)")
-    tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+    tokenizer_files = [src / name for name in TOKENIZER_COPY_FILES if (src / name).is_file()]
     extra = {"method": "medusa (imported)", "source_format": SOURCE_FORMAT, "source": str(src)}
     return save_drafter(dst, heads, base, tokenizer=_CopiedTokenizerFiles(tokenizer_files) if tokenizer_files else None, extra=extra)
 

@@ -22,12 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from data.chat import encode_prompt
+from data.chat import encode_prompt, first_user_turn
 from data.collate import ChatCollator
 from data.datasets import SplitDatasets, build_datasets, load_conversations
 from inference.api import Engine
 from inference.drafters import NoDrafter
-from inference.self_distill import DistillConfig, self_distill
+from inference.self_distill import SelfDistillConfig, self_distill
 from models.checkpoint import CheckpointError, read_drafter_config
 from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
 from train.checks import check_values
@@ -386,10 +386,10 @@ def first_user_prompts(cfg: DictConfig, tokenizer: Any, split: str, limit: int, 
         random.Random(shuffle_seed).shuffle(conversations)
     prompts = []
     for conv in conversations:
-        first_user = next((i for i, m in enumerate(conv) if m["role"] == "user"), None)
-        if first_user is None:
+        turn = first_user_turn(conv)
+        if turn is None:
             continue
-        prompts.append(encode_prompt(tokenizer, conv[: first_user + 1], chat_template=cfg.data.chat_template))
+        prompts.append(encode_prompt(tokenizer, turn, chat_template=cfg.data.chat_template))
         if len(prompts) == limit:
             break
     return prompts
@@ -410,8 +410,8 @@ def self_distilled_train(cfg: DictConfig, target: nn.Module, tokenizer, args: Tr
     conversations = list(enumerate(load_conversations(d, "train"), start=1))
     random.Random(d.seed).shuffle(conversations)
     conversations = [(f"train:{i}", c) for i, c in conversations[: d.self_distill_samples]]
-    config = DistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size, max_turns=1,
-                           chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed)
+    config = SelfDistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size,
+                               max_turns=1, chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed)
     with args.main_process_first(desc="self-distillation"):
         was_training = target.training
         stats = self_distill(Engine(target.eval(), NoDrafter()), tokenizer, conversations, path, config)

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from data.chat import IGNORE_INDEX
+from data.collate import left_pad
 from data.errors import UsageError
 from inference.draft_model import check_vocab, check_vocab_files
 from models.backbone import padded_position_ids
@@ -83,10 +84,8 @@ def sample_responses(draft: nn.Module, input_ids: torch.Tensor, labels: torch.Te
     real = input_ids != pad_token_id
     starts = torch.where(labelled.any(-1), labelled.float().argmax(-1), real.sum(-1))  # prompt lengths
     prompts = [row[: max(int(s), 1)].tolist() for row, s in zip(input_ids, starts)]
-    width = max(map(len, prompts))
-    device = input_ids.device
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ids, mask = left_pad(prompts, pad_token_id, input_ids.device)  # [B, width] each
+    width = ids.shape[1]
     out = draft.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=True,
                          temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad_token_id,
                          eos_token_id=eos_token_id)  # [B, width + new]
