@@ -3,8 +3,9 @@
 Every project module's imports are read with `ast` (none is executed). The rule, stated once:
 
 * A module's layer is its package's (`LAYERS`), except the entry-point modules listed in `TOOLS` and everything in
-  `scripts/`, which are the top layer: command lines, collectors that drive the engine to write data, benchmarks and
-  builders. A module may import its own layer or a lower one, never a higher one, so nothing below a tool imports it.
+  `scripts/`, which are the top layer: command lines, benchmarks, the tree builder. A module may import its own
+  layer or a lower one, never a higher one, so nothing below a tool imports it. The two collectors
+  (inference.self_distill, inference.collect_jacobi) are engine-layer modules: a training run self-distils in-run.
 * Module-level imports form no cycle (function-local imports do not dodge this: they are in the graph too, below).
 * A module's `if __name__ == "__main__":` block is a command line: it runs only when the module is the program, so
   it counts as a tool (`python -m data.jacobi` hands over to the collector in inference/ that way).
@@ -25,9 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("conf", "data", "models", "inference", "train")
 LAYERS = {"conf": 0, "data": 0, "models": 1, "inference": 2, "train": 3}
 TOOL_LAYER = 4
-# Entry points and data collectors inside the packages: they sit above every package (see the module docstring).
+# Entry points inside the packages: they sit above every package (see the module docstring).
 TOOLS = frozenset({
-    "data.__main__",
     "inference.__main__", "inference.cli", "inference.session", "inference.bench", "inference.tree_builder",
     "inference.engine_check",
     "train.__main__", "train.cli",
