@@ -77,6 +77,13 @@ def encode_prompt(tokenizer: Any, messages: Conversation, chat_template: str | N
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def first_user_turn(conversation: Conversation) -> Conversation | None:
+    """The conversation up to and including its first user message (what a prompt set asks first), or None when
+    it has no user message."""
+    first = next((i for i, m in enumerate(conversation) if m["role"] == "user"), None)
+    return None if first is None else conversation[: first + 1]
+
+
 def encode_text(tokenizer: Any, text: str, max_length: int) -> EncodedChat:
     """Plain language-modelling sample, no chat template: [bos] + text + [eos], every token but bos trained."""
     if max_length < 1:

@@ -10,6 +10,16 @@ import torch
 from data.chat import IGNORE_INDEX
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of any lengths as one left-padded batch for generation: (input_ids, attention_mask), each [B, T] with
+    T the longest row; pads sit on the left so every row's next token lands in the same last column."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_token_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
 @dataclass(frozen=True)
 class ChatCollator:
     """Right-pads a list of samples into LongTensors input_ids / attention_mask / labels, each [B, T].

@@ -1,6 +1,9 @@
-"""Jacobi trajectories for CLLM (Kou et al. 2024): collection, the JSONL format, the training dataset and collator.
+"""Jacobi trajectories for CLLM (Kou et al. 2024): the JSONL format, the prompts, the training dataset and collator.
 
     python -m data.jacobi --model tiny --output traj.jsonl [--data default] [--block-size 16] [data.path=... ...]
+
+The collector that runs the target is inference.collect_jacobi (beside inference.self_distill, the other collector);
+this module's `__main__` block hands the command line to it.
 
 One JSONL line per prompt (a `datasets.load_dataset("json", ...)`-loadable file):
     {"id", "prompt_ids", "answer_ids", "answer_labels", "block_size", "init",
@@ -17,18 +20,16 @@ Dimension letters: B batch, T time, N block size.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import json
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch.utils.data
 
-from data.chat import IGNORE_INDEX
+from data.chat import IGNORE_INDEX, encode_chat, encode_prompt, first_user_turn
+from data.datasets import load_conversations
 from data.readers import DataError
 
 AR_SOURCES = ("ground_truth", "target_output", "both")  # both: one row of each per item (ground truth first)
@@ -90,53 +91,17 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
-def collect(model: Any, samples: Sequence[PromptSample], output: Path, options: Any, num_blocks: int,
-            batch_size: int = 8, pad_token_id: int = 0, eos_token_ids: tuple[int, ...] = (), max_repeat: int = 16,
-            progress: bool = True) -> int:
-    """Record block-Jacobi trajectories (inference.jacobi.jacobi_blocks) of every sample not yet in `output`,
-    `batch_size` prompts per batch (left-padded); appends one line per prompt. Returns the records written."""
-    from tqdm.auto import tqdm
-
-    from inference.jacobi import jacobi_blocks
-
-    done = done_ids(output)
-    todo = [s for s in samples if s.id not in done]
-    device = model.get_input_embeddings().weight.device
-    written = 0
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "a") as f, tqdm(total=len(samples), initial=len(samples) - len(todo), desc="jacobi",
-                                      unit="prompt", disable=not progress) as bar:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            width = max(len(s.prompt_ids) for s in batch)
-            ids = torch.tensor([[pad_token_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids) for s in batch])
-            mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in batch])
-            trajectories = jacobi_blocks(model, ids.to(device), mask.to(device), options, num_blocks, pad_token_id,
-                                         eos_token_ids)
-            for sample, row in zip(batch, trajectories):
-                blocks = [block.states for block in row]
-                record = trajectory_record(sample, blocks, options.block_size, options.init, max_repeat)
-                f.write(json.dumps(record) + "\n")
-                written += 1
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(batch))
-    return written
-
-
 def prompt_samples(data_cfg: Any, tokenizer: Any, split: str = "train", max_prompts: int | None = None
                    ) -> list[PromptSample]:
     """The first user turn of each conversation of a `data` config as a prompt, with the reply after it (if any)
     chat-encoded as the ground truth. Ids are "<split>:<index>"."""
-    from data.chat import encode_chat, encode_prompt
-    from data.datasets import load_conversations
-
     samples = []
     for index, conv in enumerate(load_conversations(data_cfg, split)):
-        user = next((i for i, m in enumerate(conv) if m["role"] == "user"), None)
-        if user is None:
+        turn = first_user_turn(conv)
+        if turn is None:
             continue
-        prompt = encode_prompt(tokenizer, conv[: user + 1], chat_template=data_cfg.chat_template)
+        user = len(turn) - 1
+        prompt = encode_prompt(tokenizer, turn, chat_template=data_cfg.chat_template)
         answer_ids, answer_labels = (), ()
         if user + 1 < len(conv) and conv[user + 1]["role"] == "assistant":
             encoded = encode_chat(tokenizer, conv[: user + 2], data_cfg.max_length, data_cfg.chat_template)
@@ -276,66 +241,7 @@ class TrajectoryCollator:
         }
 
 
-# --- command line --------------------------------------------------------------------------------------------------
+if __name__ == "__main__":  # `python -m data.jacobi`: the collector is a tool that drives the engine
+    from inference.collect_jacobi import main
 
-def data_config(name: str, overrides: Sequence[str]) -> Any:
-    """conf/data/<name>.yaml + `data.key=value` overrides, checked against train.config.DataConfig."""
-    from importlib import resources
-
-    from omegaconf import OmegaConf
-
-    from train.config import DataConfig
-
-    path = resources.files("conf").joinpath("data", f"{name}.yaml")
-    if not path.is_file():
-        raise ValueError(f"--data {name}: no conf/data/{name}.yaml")
-    for o in overrides:
-        if not o.startswith("data.") or "=" not in o:
-            raise ValueError(f"{o!r}: overrides look like data.<key>=<value>")
-    dotlist = [o[len("data."):] for o in overrides]
-    return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(str(path)), OmegaConf.from_dotlist(dotlist))
-
-
-def main(argv: list[str] | None = None) -> int:
-    from inference.jacobi import INITS, JacobiOptions
-
-    parser = argparse.ArgumentParser(prog="python -m data.jacobi", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="conf/model name, model directory or builtin:<name>")
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--data", default="default", help="conf/data name; override keys as data.key=value")
-    parser.add_argument("--split", default="train", choices=("train", "validation"))
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--init", default="random", choices=INITS)
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="rounded up to whole blocks")
-    parser.add_argument("--max-prompts", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-repeat", type=int, default=16, help="drop from a run this long of one token (0: off)")
-    parser.add_argument("--dtype", default="fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("overrides", nargs="*", help="data.key=value")
-    args = parser.parse_args(argv)
-    from omegaconf.errors import OmegaConfBaseException
-
-    from data.readers import DataError
-    from models.loading import ModelLoadError, load_target, load_tokenizer, model_settings
-
-    try:
-        options = JacobiOptions(block_size=args.block_size, init=args.init, seed=args.seed)
-        cfg = data_config(args.data, args.overrides)
-        path = model_settings(args.model)["path"]
-        tokenizer = load_tokenizer(path, cfg.chat_template)
-        samples = prompt_samples(cfg, tokenizer, args.split, args.max_prompts)
-        model = load_target(path, dtype=args.dtype)
-        eos = model.config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        written = collect(model, samples, args.output, options, -(-args.max_new_tokens // args.block_size),
-                          args.batch_size, tokenizer.pad_token_id or 0, eos_ids, args.max_repeat)
-    except (ValueError, DataError, ModelLoadError, OSError, OmegaConfBaseException) as e:
-        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        return 1
-    print(f"{written} new records -> {args.output}")
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from data.chat import Conversation
+from data.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ _ROLE_ALIASES = {
 }
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Bad input data; the message starts with "<file>:<record>:" (or "<file>:" for whole-file problems)."""
 
 

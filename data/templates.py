@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from data.errors import UsageError
+
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
@@ -59,7 +61,7 @@ _LLAMA_2_CHAT = (
 TEMPLATES: dict[str, str] = {"vicuna_v1.1": _VICUNA_V1_1, "llama-2-chat": _LLAMA_2_CHAT}
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UsageError):
     """No usable chat template, or the template cannot render / be aligned with a conversation."""
 
 

@@ -13,18 +13,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from data.collate import left_pad
 from inference.devices import input_device, output_device
 from inference.draft_model import build_draft_model_drafter, is_plain_model, plain_model_config
 from inference.drafters import Drafter, MedusaDrafter, NoDrafter
 from inference.generate import DecodeConfig, GenerationOutput, generate
 from inference.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
 from inference.tree import TreeBuffers, load_tree
-from inference.training_free import TRAINING_FREE_DRAFTERS, build_from_spec
+from inference.training_free import NAMED_DRAFTERS, build_from_spec, named_spec  # noqa: F401  (re-exported)
 from inference.verify import SamplingParams
 from models.checkpoint import (
     CONFIG_NAME, CheckpointError, check_compatible, head_vocabulary, load_drafter, load_drafter_target,
     read_drafter_config,
 )
+from models.backbone import eos_token_ids
 from models.loading import load_target
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
@@ -79,14 +81,9 @@ def _jacobi(path: Path, model: torch.nn.Module, options: DrafterOptions, device:
     return JacobiDrafter(jacobi, pad_token_id=model.config.pad_token_id or 0)
 
 
-def _named_jacobi(spec: str, model: torch.nn.Module) -> Drafter:
-    return JacobiDrafter(JacobiOptions.parse(spec), pad_token_id=model.config.pad_token_id or 0)
-
-
 DRAFTER_BUILDERS.update(cllm=_jacobi)
-# Drafters without a checkpoint, for any base: load("jacobi", base=...) or load("jacobi:n=32,init=pad", base=...).
-NAMED_DRAFTERS: dict[str, Callable[[str, torch.nn.Module], Drafter]] = {"jacobi": _named_jacobi}
-NAMED_DRAFTERS.update(dict.fromkeys(TRAINING_FREE_DRAFTERS, build_from_spec))  # "lookahead", "prompt_lookup"
+# Drafters without a checkpoint, for any base (load("jacobi:n=32,init=pad", base=...)): inference.training_free's
+# NAMED_DRAFTERS, imported above.
 
 
 class Engine:
@@ -125,7 +122,7 @@ class Engine:
         "typical" is Medusa's LOSSY typical acceptance. Stops at the model's EOS ids unless `ignore_eos`, and after
         any `stop` id sequence, or where `stream(row, new_tokens)` returns True."""
         input_ids, attention_mask = self._batch(prompt_ids, attention_mask)
-        eos = () if ignore_eos else _eos_ids(self.model)
+        eos = () if ignore_eos else eos_token_ids(self.model)
         config = DecodeConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
@@ -145,19 +142,7 @@ class Engine:
         rows = [list(prompt_ids)] if prompt_ids and isinstance(prompt_ids[0], int) else [list(r) for r in prompt_ids]
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("prompt_ids: every prompt needs at least one token")
-        width = max(map(len, rows))
-        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        return ids, mask
-
-
-def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return left_pad(rows, 0, self.device)
 
 
 def load(
@@ -193,14 +178,12 @@ def load(
     tokens most frequent in their training data (the checkpoint's token_counts.safetensors): a cheaper projection,
     the same lossless verification."""
     config = None
-    named = isinstance(drafter_path, str) and drafter_path.partition(":")[0] in NAMED_DRAFTERS
-    if named and not Path(drafter_path).exists():
+    named = named_spec(drafter_path)
+    if named is not None:
         if base is None or tree is not None or draft_stop is not None or head_vocab is not None:
             raise ValueError(f"load: drafter {drafter_path!r} needs base= (the model to decode) and takes no tree=, "
                              f"draft_stop= or head_vocab=")
-        named_spec, drafter_path = drafter_path, None
-    else:
-        named_spec = None
+        named_text, drafter_path = drafter_path, None
     if drafter_path is not None:
         plain = is_plain_model(drafter_path)  # a causal LM dir or builtin:<name>: a draft model for `base`
         drafter_path = Path(drafter_path)
@@ -233,8 +216,8 @@ def load(
     if quantization in (None, "none") and tp_plan is None and device_map is None:  # those place the weights themselves
         model.to(device)
     device = input_device(model)
-    if named_spec is not None:
-        return Engine(model, NAMED_DRAFTERS[named_spec.partition(":")[0]](named_spec, model), {"drafter_type": named_spec})
+    if named is not None:
+        return Engine(model, build_from_spec(named, model), {"drafter_type": named_text})
     if config is None:
         return Engine(model, NoDrafter())
     options = DrafterOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab)

@@ -40,13 +40,16 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
+from data.errors import UsageError
+from inference.bandwidth import copy_bandwidth, host_info, weight_bytes
 from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
                                      build_runners, pld_defaults)
 from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
-from inference.cli import (UsageError, add_model_args, add_sampling_args, check_sampling, checkpoint_config,
-                           encode_messages, open_session)
+from inference.draft_model import DraftModelDrafter, is_plain_model, load_draft_model
 from inference.greedy_ties import Fp64Judge
 from inference.prompt_sets import DEFAULT_QUESTIONS, PROMPT_SETS, Question, load_questions
+from inference.session import (add_model_args, add_sampling_args, check_sampling, checkpoint_config, encode_messages,
+                               open_session)
 
 WARMUP_TOKENS = 32
 PROGRESS_INTERVAL_S = 10.0  # a progress line at least this often when stderr is not a terminal
@@ -122,8 +125,6 @@ def _slug(name: str) -> str:
 
 def is_draft_model(name: str | None) -> bool:
     """A plain causal LM (dir or builtin:<name>) or a draftsmith draft_model checkpoint."""
-    from inference.draft_model import is_plain_model
-
     if not name:
         return False
     return is_plain_model(name) or (checkpoint_config(name) or {}).get("drafter_type") == "draft_model"
@@ -166,8 +167,6 @@ def check_bench_args(args: argparse.Namespace) -> list[str]:
 
 def hf_options(session: Any, args: argparse.Namespace, names: Sequence[str]) -> HFOptions:
     """hf_pld's lookup settings and hf_assisted's draft model (the drafter's own, else --assistant's)."""
-    from inference.draft_model import DraftModelDrafter, load_draft_model
-
     tokens, ngram = pld_defaults(session.engine.drafter)
     assistant = None
     if "hf_assisted" in names:
@@ -178,8 +177,6 @@ def hf_options(session: Any, args: argparse.Namespace, names: Sequence[str]) -> 
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from inference.bandwidth import copy_bandwidth, weight_bytes
-
     baselines = check_bench_args(args)
     questions, prompt_sets = load_questions(args.questions)
     questions = questions[: args.limit]
@@ -231,8 +228,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]) -> dict[str, Any]:
     """What was run, and on what, for summary.json's config."""
-    from inference.bandwidth import host_info
-
     model, device = session.engine.model, session.engine.device
     return {
         "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -306,7 +301,8 @@ def run_all(session: Any, runners: dict[str, Runner], questions: list[Question],
 def write_plots(folder: Path, summary: dict[str, Any], main_answers: list[Answer],
                 drafter_config: dict[str, Any] | None) -> list[Path]:
     """The three report figures (each skipped, with a note, when its data is absent)."""
-    from inference.plots import head_accuracies, plot_accept_hist, plot_bench_summary, plot_head_accuracy
+    from inference.plots import (  # deferred: matplotlib, an optional extra, only with --plot
+        head_accuracies, plot_accept_hist, plot_bench_summary, plot_head_accuracy)
 
     written = []
     metrics = ((drafter_config or {}).get("training") or {}).get("metrics") or {}

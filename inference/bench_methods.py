@@ -22,8 +22,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from inference.api import Engine
 from inference.benchstats import TurnResult
 from inference.devices import input_device
+from inference.drafters import NoDrafter
+from inference.prompt_lookup import PromptLookupDrafter
+from models.backbone import eos_token_ids
 
 BASELINES = ("ar", "hf", "hf_pld", "hf_assisted")
 GREEDY_ONLY = ("hf_pld", "hf_assisted")
@@ -118,8 +122,6 @@ class HFRunner:
 
 def pld_defaults(drafter: Any) -> tuple[int, int]:
     """(draft tokens, longest n-gram) of the session's prompt_lookup drafter, else of a default one."""
-    from inference.prompt_lookup import PromptLookupDrafter
-
     reference = drafter if isinstance(drafter, PromptLookupDrafter) else PromptLookupDrafter()
     return reference.num_draft, reference.max_ngram
 
@@ -139,11 +141,8 @@ def assisted_settings(assistant: nn.Module) -> dict[str, Any]:
 
 
 def build_runners(session: Any, names: Sequence[str], sampling: Sampling, hf: HFOptions) -> dict[str, Runner]:
-    from inference.api import Engine, _eos_ids
-    from inference.drafters import NoDrafter
-
     model = session.engine.model
-    eos, pad = _eos_ids(model), session.tokenizer.pad_token_id
+    eos, pad = eos_token_ids(model), session.tokenizer.pad_token_id
     extra = {"hf": {},
              "hf_pld": {"prompt_lookup_num_tokens": hf.pld_tokens, "max_matching_ngram_size": hf.pld_ngram},
              "hf_assisted": {"assistant_model": hf.assistant}}

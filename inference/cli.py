@@ -1,10 +1,11 @@
 """`python -m inference generate | bench | build-tree`: the engine from the command line.
 
-Every subcommand loads a `Session` the same way: a base model, a drafter and a tokenizer. `--drafter` is whatever
-`inference.api.load` serves, so a drafter registered there is on the command line with no change here:
+Every subcommand loads a `Session` the same way (inference.session: a base model, a drafter and a tokenizer).
+`--drafter` is whatever `inference.api.load` serves, so a drafter registered there is on the command line with no
+change here:
     a draftsmith checkpoint directory   config.json names the drafter type (api.DRAFTER_BUILDERS) and the base model
     a plain causal LM (dir, builtin:..)  a draft model for --base; early_exit:<model>:<N> is <model>'s first N layers
-    a registered name (api.NAMED_DRAFTERS: jacobi, lookahead, prompt_lookup, ...), optionally "name:key=value,...";
+    a registered name (training_free.NAMED_DRAFTERS: jacobi, lookahead, prompt_lookup), optionally "name:k=v,...";
                                         --drafter-option KEY=VALUE pairs are appended to that spec
     none (the default)                  plain autoregressive decoding through the same loop
 
@@ -18,208 +19,23 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-import torch
+from data.errors import UsageError
+from inference.bench import add_bench_args
+from inference.session import add_model_args, add_sampling_args, check_sampling, encode_messages, open_session
+from inference.textstream import TextStream
+from inference.tree_builder import add_build_tree_args
 
 EXIT_USAGE = 2
 TRACEBACK_ENV = "DRAFTSMITH_TRACEBACK"  # set to get the traceback instead of the one-line error
-
-
-class UsageError(ValueError):
-    """A bad command line or input file; the message is the one line the user sees."""
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
-
-
-@dataclass(frozen=True)
-class Session:
-    """What every subcommand works with. `engine.drafter` is the chosen drafter (NoDrafter for none)."""
-
-    engine: Any  # inference.api.Engine
-    tokenizer: Any
-    chat_template: str | None  # None: the tokenizer's own
-    base: str  # the base model's name or path, as given
-    drafter_name: str  # --drafter as given ("none" when absent)
-    drafter_config: dict[str, Any] | None  # the checkpoint's config.json
-
-
-def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -> None:
-    p.add_argument("--drafter", required=drafter_required,
-                   help=f"a draftsmith checkpoint directory, a draft model (dir, builtin:<name>, or "
-                        f"early_exit:<model>:<layers>, that model's first layers; with --base), or "
-                        f"a registered drafter ({', '.join(named_drafters())}[:key=value,...]); default: none")
-    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="option for a registered drafter; repeatable")
-    p.add_argument("--base", help="base model: hub id, local dir, builtin:tiny, or a conf/model name "
-                                  "(default: the checkpoint's base_model_name_or_path)")
-    p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's, else the base model's)")
-    p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree)")
-    p.add_argument("--draft-stop", help="draft models: when drafting stops each step: fixed | confidence:<t> | "
-                                        "learned[:<t>] (default: the checkpoint's stopper if it has one, else fixed)")
-    p.add_argument("--head-vocab", type=int, metavar="S",
-                   help="Medusa heads: draft only from the S tokens most frequent in their training data (the "
-                        "checkpoint's token_counts.safetensors); cheaper heads, same lossless verification")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
-                   help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
-                        "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
-    p.add_argument("--quantization", choices=("none", "nf4"), default="none")
-    p.add_argument("--device", help="default: cuda when available, else cpu")
-    p.add_argument("--device-map", help="split a target too big for one GPU across devices (accelerate): auto | "
-                                        "balanced | balanced_low_0 | sequential | a JSON file or object mapping "
-                                        "module names to GPU indices, \"cpu\" or \"disk\"; excludes --device")
-    p.add_argument("--offload-folder", help="directory for the weights a --device-map puts on \"disk\"")
-    p.add_argument("--chat-template", help="shipped template name (vicuna_v1.1, llama-2-chat) or a Jinja string "
-                                           "(default: the checkpoint's training setting, else the tokenizer's own)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
-
-
-def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables")
-    p.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
-                   help="exact: lossless (greedy at T=0, rejection sampling above); typical: Medusa's typical "
-                        "acceptance, LOSSY (outputs are not distributed as the target's; same as exact at T=0)")
-
-
-def check_sampling(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
-        raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-
-
-def named_drafters() -> list[str]:
-    from inference.api import NAMED_DRAFTERS
-
-    return ["none", *sorted(NAMED_DRAFTERS)]
-
-
-def drafter_spec(name: str, pairs: Sequence[str]) -> str:
-    """--drafter plus --drafter-option pairs as one `inference.api.load` spec ("name:key=value,...")."""
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key or "," in pair:
-            raise UsageError(f"--drafter-option {pair!r}: expected KEY=VALUE (no commas)")
-    if not pairs:
-        return name
-    if name.partition(":")[0] not in named_drafters()[1:]:
-        raise UsageError(f"--drafter-option applies to registered drafters ({', '.join(named_drafters()[1:])}); "
-                         f"--drafter {name} carries its own settings")
-    return name + ("," if ":" in name else ":") + ",".join(pairs)
-
-
-def _trained_dtype(config: dict[str, Any] | None) -> str | None:
-    """The dtype the drafter was trained with (its backbone's): the default to serve it in."""
-    trained = ((config or {}).get("training") or {}).get("config") or {}
-    value = (trained.get("model") or {}).get("dtype")
-    return str(value) if value else None
-
-
-def _trained_chat_template(config: dict[str, Any] | None) -> str | None:
-    trained = ((config or {}).get("training") or {}).get("config") or {}
-    for group in ("model", "data"):
-        value = (trained.get(group) or {}).get("chat_template")
-        if value:
-            return str(value)
-    return None
-
-
-def open_session(args: argparse.Namespace) -> Session:
-    """Load base model, drafter and tokenizer from the common options (see `add_model_args`)."""
-    from inference.api import load
-    from inference.draft_model import is_plain_model
-    from models.checkpoint import read_drafter_config
-    from models.loading import MODEL_PREFIXES, TOKENIZER_FILES, load_tokenizer, model_settings
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    name = args.drafter or "none"
-    spec = drafter_spec(name, args.drafter_option)
-    config = checkpoint_config(name)
-    if config is None and name.partition(":")[0] not in named_drafters() and not name.startswith(MODEL_PREFIXES) \
-            and not Path(name).is_dir():
-        raise UsageError(f"--drafter {name}: no such checkpoint or model directory, and not a registered drafter "
-                         f"({', '.join(named_drafters())})")
-    if config is None and Path(name).is_dir() and not is_plain_model(name):
-        read_drafter_config(name)  # raises CheckpointError naming what is missing or malformed
-    base_arg = args.base or (None if config is None else config.get("base_model_name_or_path"))
-    if base_arg is None:
-        raise UsageError(f"--drafter {name} needs --base (the model to decode with)")
-    if name == "none" and args.tree is not None:
-        raise UsageError("--tree needs a drafter; --drafter is none")
-    if args.draft_stop is not None:  # before any model loads
-        from inference.draft_stop import check_stop_spec
-
-        check_stop_spec(args.draft_stop, config is not None and isinstance(config.get("stopper"), dict))
-    if args.head_vocab is not None:  # before any model loads
-        from models.checkpoint import read_token_counts
-
-        if config is None or config.get("drafter_type") != "medusa":
-            raise UsageError(f"--head-vocab applies to Medusa heads checkpoints; --drafter {name} is not one")
-        read_token_counts(name)  # raises CheckpointError naming the missing or unreadable file
-    if args.device_map is not None and args.device is not None:
-        raise UsageError("--device and --device-map are exclusive: the device map places every layer")
-    if args.offload_folder is not None and args.device_map is None:
-        raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
-    settings = model_settings(base_arg)
-    engine = load(
-        None if name == "none" else spec, base=settings["path"],
-        dtype=args.dtype or _trained_dtype(config) or settings["dtype"] or "bf16",
-        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), tree=args.tree,
-        quantization=None if args.quantization == "none" else args.quantization,
-        device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
-        head_vocab=args.head_vocab,
-    )
-    tokenizer_path = args.tokenizer
-    if tokenizer_path is None:
-        own = config is not None and args.base is None and any((Path(name) / f).is_file() for f in TOKENIZER_FILES)
-        tokenizer_path = name if own else settings["path"]
-    tokenizer = load_tokenizer(tokenizer_path)
-    chat_template = args.chat_template or settings["chat_template"] or _trained_chat_template(config)
-    return Session(engine, tokenizer, chat_template, base_arg, name, config)
-
-
-def checkpoint_config(name: str) -> dict[str, Any] | None:
-    """config.json of a draftsmith checkpoint directory (one naming a drafter_type), else None."""
-    path = Path(name) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None  # not ours to judge here: `load` reports a broken checkpoint with its file name
-    return data if isinstance(data, dict) and "drafter_type" in data else None
-
-
-def encode_messages(session: Session, messages: list[dict[str, str]], raw_hint: bool = False) -> list[int]:
-    """Prompt ids of a conversation with the session's chat template and generation prompt."""
-    from data.chat import encode_prompt
-    from data.templates import TEMPLATES, ChatTemplateError
-
-    try:
-        return encode_prompt(session.tokenizer, messages, session.chat_template)
-    except ChatTemplateError as err:
-        if session.chat_template is None and not getattr(session.tokenizer, "chat_template", None):
-            raise UsageError(f"the tokenizer has no chat template: pass --chat-template "
-                             f"({', '.join(sorted(TEMPLATES))}){' or --raw' if raw_hint else ''}") from None
-        raise UsageError(str(err)) from None
 
 
 def read_chat(value: str) -> list[dict[str, str]]:
@@ -251,9 +67,6 @@ def read_chat(value: str) -> list[dict[str, str]]:
 
 
 def build_parser() -> Parser:
-    from inference.bench import add_bench_args
-    from inference.tree_builder import add_build_tree_args
-
     parser = Parser(prog="python -m inference", description="draftsmith inference engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     gen = sub.add_parser("generate", help="generate from a prompt, streaming text to stdout",
@@ -275,8 +88,6 @@ def build_parser() -> Parser:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from inference.textstream import TextStream
-
     check_sampling(args)
     if any(not s for s in args.stop):
         raise UsageError("--stop: a stop string must not be empty")

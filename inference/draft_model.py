@@ -28,7 +28,7 @@ from inference.drafters import DecodeState, Draft
 from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.verify import VerifyResult, sample, target_probs
 from models.checkpoint import CONFIG_NAME, DrafterMismatchError, draft_model_folder, read_drafter_config
-from models.loading import DTYPES, MODEL_PREFIXES
+from models.loading import DTYPES, MODEL_PREFIXES, TOKENIZER_FILES, load_target, model_config, resolve_model_path
 from models.stopper import StopperModel, load_stopper, stop_features
 
 DEFAULT_GAMMA = 4
@@ -64,8 +64,6 @@ def check_vocab_files(draft: str, target: str, target_tokenizer: Any, setting: s
     """`check_vocab` from the two models' files, before either loads: the vocabulary sizes in their config.json, and,
     when the draft has tokenizer files, its token -> id map against `target_tokenizer` (None: sizes only) over the
     ids the models score. DrafterMismatchError naming `setting` (the key that chose the draft) when they differ."""
-    from models.loading import TOKENIZER_FILES, model_config, resolve_model_path
-
     draft_vocab = model_config(draft, trust_remote_code).get_text_config().vocab_size
     target_vocab = model_config(target, trust_remote_code).get_text_config().vocab_size
     if draft_vocab != target_vocab:
@@ -282,8 +280,6 @@ def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, di
 def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.device) -> nn.Module:
     """The causal LM of a draft_model checkpoint or a plain causal LM (a directory, "builtin:<name>" or
     "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's."""
-    from models.loading import load_target
-
     source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
     dtype = target.get_input_embeddings().weight.dtype
     name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from data.errors import UsageError
 from models.stopper import FEATURES, StopperModel
 
 KINDS = ("fixed", "confidence", "learned")
 
 
-class StopSpecError(ValueError):
+class StopSpecError(UsageError):
     """A bad `draft_stop` spec; the message names it."""
 
 

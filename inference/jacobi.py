@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from data.errors import UsageError
 from inference.cache import commit_slots, new_cache, prefill_inputs, tree_inputs
+from inference.drafter_spec import DrafterSpec
 from inference.drafters import DecodeState, Draft
 from inference.tree import build_tree, chain_choices
 from inference.verify import VerifyResult
@@ -46,17 +48,19 @@ class JacobiOptions:
     @staticmethod
     def parse(spec: str) -> JacobiOptions:
         """"jacobi" or "jacobi:n=32,init=pad,seed=1" -> options; a bad key or value raises ValueError naming it."""
-        name, _, text = spec.partition(":")
+        return JacobiOptions.from_spec(DrafterSpec.parse(spec))
+
+    @staticmethod
+    def from_spec(spec: DrafterSpec) -> JacobiOptions:
         values: dict[str, int | str] = {}
-        for item in filter(None, text.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq or key not in ("n", "init", "seed"):
-                raise ValueError(f"drafter spec {spec!r}: expected n=<int>, init=<{'|'.join(INITS)}> or seed=<int>, "
-                                 f"got {item!r}")
+        for key, value in spec.options:
+            if key not in ("n", "init", "seed"):
+                raise UsageError(f"drafter spec {str(spec)!r}: expected n=<int>, init=<{'|'.join(INITS)}> or "
+                                 f"seed=<int>, got {key}={value}")
             if key == "init":
                 values["init"] = value
             elif not value.isdigit():
-                raise ValueError(f"drafter spec {spec!r}: {key} must be an integer, got {value!r}")
+                raise UsageError(f"drafter spec {str(spec)!r}: {key} must be an integer, got {value!r}")
             else:
                 values["block_size" if key == "n" else "seed"] = int(value)
         return JacobiOptions(**values)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from inference.cli import UsageError
+from data.errors import UsageError
 
 DATA_ENV = "DRAFTSMITH_DATA"
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the repository

@@ -24,6 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from data.chat import Conversation, encode_prompt
+from data.readers import DataError, read_conversations
+from data.templates import ChatTemplateError
+from inference.api import load
+from models.backbone import eos_token_ids
+from models.checkpoint import CheckpointError
+from models.loading import ModelLoadError, load_tokenizer, model_settings
 
 log = logging.getLogger("draftsmith.self_distill")
 
@@ -31,7 +37,7 @@ SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
 @dataclass(frozen=True)
-class DistillConfig:
+class SelfDistillConfig:
     max_new_tokens: int = 512
     batch_size: int = 8
     temperature: float = 0.0  # 0: greedy
@@ -119,7 +125,7 @@ def self_distill(
     tokenizer: Any,
     conversations: list[tuple[str, Conversation]],
     output: Path,
-    config: DistillConfig = DistillConfig(),
+    config: SelfDistillConfig = SelfDistillConfig(),
 ) -> DistillStats:
     """Regenerate the assistant turns of `conversations` ((id, conversation) pairs) with `engine`
     (an inference.api.Engine) and append them to `output`, skipping ids already there."""
@@ -179,9 +185,8 @@ def _advance(row: _Row) -> bool:
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [int(eos)]
-    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    """The model's EOS ids and the tokenizer's (a chat model may end a turn with either)."""
+    return [*eos_token_ids(model), *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -191,13 +196,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--format", default="sharegpt", choices=("sharegpt", "alpaca", "gsm8k"))
     p.add_argument("--output", required=True, type=Path, help="ShareGPT JSONL, appended to (resumable)")
     p.add_argument("--drafter", default=None, help="a draftsmith drafter checkpoint: lossless speculative decoding")
-    p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
-    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
-    p.add_argument("--temperature", type=float, default=DistillConfig.temperature)
-    p.add_argument("--top-k", type=int, default=DistillConfig.top_k)
-    p.add_argument("--top-p", type=float, default=DistillConfig.top_p)
+    p.add_argument("--max-new-tokens", type=int, default=SelfDistillConfig.max_new_tokens)
+    p.add_argument("--batch-size", type=int, default=SelfDistillConfig.batch_size)
+    p.add_argument("--temperature", type=float, default=SelfDistillConfig.temperature)
+    p.add_argument("--top-k", type=int, default=SelfDistillConfig.top_k)
+    p.add_argument("--top-p", type=float, default=SelfDistillConfig.top_p)
     p.add_argument("--max-turns", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=DistillConfig.max_prompt_tokens)
+    p.add_argument("--max-prompt-tokens", type=int, default=SelfDistillConfig.max_prompt_tokens)
     p.add_argument("--max-samples", type=int, default=None, help="only the first N conversations")
     p.add_argument("--chat-template", default=None)
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: the conf/model's, else bf16)")
@@ -211,17 +216,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from data.readers import DataError, read_conversations
-    from data.templates import ChatTemplateError
-    from inference.api import load
-    from models.checkpoint import CheckpointError
-    from models.loading import ModelLoadError, load_tokenizer, model_settings
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     settings = model_settings(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = DistillConfig(
+    config = SelfDistillConfig(
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
         chat_template=args.chat_template or settings["chat_template"], seed=args.seed,

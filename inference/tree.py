@@ -25,11 +25,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from data.errors import UsageError
+
 Path_ = tuple[int, ...]
 TREE_DIR = "trees"
 
 
-class TreeError(ValueError):
+class TreeError(UsageError):
     """A tree specification is malformed or does not fit the drafter (message names the source and the path)."""
 
 

@@ -28,8 +28,19 @@ from typing import Any, Sequence
 
 import torch
 
-from inference.cli import UsageError, add_model_args, encode_messages, open_session
+from data.chat import encode_chat, encode_text, first_user_turn
+from data.config import load_data_config
+from data.datasets import load_conversations
+from data.errors import UsageError
+from inference.api import MEDUSA_TOPK, Engine
 from inference.devices import input_device
+from inference.drafters import Draft, MedusaDrafter, NoDrafter
+from inference.generate import DecodeConfig, forward_tree, prefill
+from inference.session import add_model_args, encode_messages, open_session
+from inference.tree import best_tree_choices, build_tree, expected_accept_length
+from inference.verify import verify_greedy
+from models.backbone import final_hidden
+from models.medusa import head_targets
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -99,8 +110,6 @@ def score_heads(counter: RankCounter, heads: Any, hidden: torch.Tensor, labels: 
                 base_lm_head: torch.nn.Module | None) -> None:
     """hidden [B, T, D] final-norm states, labels [B, T] unshifted (-100 = untrained): head h (1-based) at t is
     scored against labels[t + h + 1] (models.medusa.head_targets)."""
-    from models.medusa import head_targets
-
     param = next(heads.parameters(), None)
     h = hidden if param is None else hidden.to(param.device, param.dtype)  # heads sit on the lm_head's device
     labels = labels.to(h.device)
@@ -113,34 +122,9 @@ def score_heads(counter: RankCounter, heads: Any, hidden: torch.Tensor, labels: 
             counter.add(k, logits, targets[keep].to(logits.device))
 
 
-def data_config(name: str, overrides: dict[str, Any]) -> Any:
-    """conf/data/<name>.yaml on the training schema, with command-line overrides (None values skipped)."""
-    from importlib import resources
-
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from train.config import DataConfig
-
-    conf = resources.files("conf").joinpath("data", f"{name}.yaml")
-    if not conf.is_file():
-        folder = resources.files("conf").joinpath("data")
-        known = sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
-        raise UsageError(f"--data {name}: unknown data config; available: {', '.join(known)}")
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(str(conf)))
-        return OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if v is not None})
-    except OmegaConfBaseException as e:
-        raise UsageError(f"--data {name}: {str(e).splitlines()[0]}") from None
-
-
 def measure_accuracy(session: Any, cfg: Any, split: str, source: str, greedy_tokens: int, batch_size: int,
                      topk: int) -> tuple[list[list[float]], int]:
     """Rank-wise accuracy [H][R] of the session's Medusa heads and the number of sequences scored."""
-    from data.chat import encode_chat, encode_text
-    from data.datasets import load_conversations
-    from models.backbone import final_hidden
-
     conversations = load_conversations(cfg, split)
     if not conversations:
         raise UsageError(f"--data {cfg.name}: the {split} split is empty (try --split train or --data-path)")
@@ -171,15 +155,12 @@ def measure_accuracy(session: Any, cfg: Any, split: str, source: str, greedy_tok
 def greedy_samples(session: Any, conversations: list, new_tokens: int, batch_size: int, max_length: int
                    ) -> list[tuple[list[int], list[int]]]:
     """(prompt + the target's greedy continuation, labels on the continuation only) per conversation's first turn."""
-    from inference.api import Engine
-    from inference.drafters import NoDrafter
-
     plain = Engine(session.engine.model, NoDrafter())
     prompts = []
     for conversation in conversations:
-        first = next((i for i, m in enumerate(conversation) if m["role"] == "user"), None)
-        if first is not None:
-            prompts.append(encode_messages(session, conversation[: first + 1])[-max_length:])
+        turn = first_user_turn(conversation)
+        if turn is not None:
+            prompts.append(encode_messages(session, turn)[-max_length:])
     samples = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -208,11 +189,6 @@ def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[i
                          needs_hidden: bool = True, seed: int = 0) -> CostCurve:
     """t(K): the engine's tree forward of K nodes (a star tree: attention cost barely depends on the shape) on a
     cache of `context` random tokens, plus greedy verification of its logits."""
-    from inference.drafters import Draft
-    from inference.generate import DecodeConfig, forward_tree, prefill
-    from inference.tree import build_tree
-    from inference.verify import verify_greedy
-
     device = input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
@@ -235,9 +211,6 @@ def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[i
 @torch.no_grad()
 def measure_head_cost(drafter: Any, topk: int, reps: int, device: torch.device) -> tuple[float, ...]:
     """Seconds of drafting with the first d heads (d = 1..H) at one position, top-`topk` each."""
-    from inference.drafters import MedusaDrafter
-    from inference.tree import build_tree
-
     heads = drafter.heads
     num_heads = len(heads.heads)
     hidden = torch.randn(1, heads.config.hidden_size, device=device)
@@ -252,8 +225,6 @@ def measure_head_cost(drafter: Any, topk: int, reps: int, device: torch.device) 
 def plan_tree(accuracy: Sequence[Sequence[float]], forward: CostCurve, head_cost: Sequence[float],
               max_nodes: int) -> TreePlan:
     """The tree with the most expected tokens per second of step time (sizes <= max_nodes incl. the root)."""
-    from inference.tree import best_tree_choices, expected_accept_length
-
     def step_cost(num_nodes: int, depth: int) -> float:
         return forward(num_nodes) + head_cost[depth - 1]
 
@@ -300,9 +271,6 @@ def _sizes(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def run_build_tree(args: argparse.Namespace) -> int:
-    from inference.api import MEDUSA_TOPK
-    from inference.drafters import MedusaDrafter
-
     for key in ("max_nodes", "context", "reps", "batch_size", "max_samples", "greedy_tokens"):
         if getattr(args, key) < 1:
             raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
@@ -316,9 +284,9 @@ def run_build_tree(args: argparse.Namespace) -> int:
     drafter = session.engine.drafter
     if not isinstance(drafter, MedusaDrafter):
         raise UsageError(f"--drafter {session.drafter_name}: build-tree needs a Medusa heads checkpoint")
-    cfg = data_config(args.data, {"path": args.data_path, "max_samples": args.max_samples,
-                                  "max_length": args.max_length,
-                                  "chat_template": session.chat_template if args.source == "data" else None})
+    cfg = load_data_config(args.data, {"path": args.data_path, "max_samples": args.max_samples,
+                                       "max_length": args.max_length,
+                                       "chat_template": session.chat_template if args.source == "data" else None})
     topk = min(MEDUSA_TOPK, drafter.heads.config.out_size)
     accuracy, scored = measure_accuracy(session, cfg, args.split, args.source, args.greedy_tokens, args.batch_size,
                                         topk)

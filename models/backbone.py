@@ -5,6 +5,17 @@ from __future__ import annotations
 import torch
 
 
+def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """The ids that end a generation: the generation config's eos_token_id, else the model config's (an int, a list
+    or None, normalised to a tuple)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
 def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] 0/1 mask -> [B, T] positions counting only real tokens, so left-padded rows start at 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)

@@ -33,7 +33,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from data.errors import UsageError
+from models.loading import load_target
 from models.medusa import MedusaConfig, MedusaHeads
+from models.stopper import save_stopper
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "drafter.safetensors"
@@ -43,11 +46,11 @@ BACKBONE_DIRS = {"lora_adapter": "adapter", "merged": "backbone"}  # config.json
 DRAFT_MODEL_DIR = "draft"  # drafter_type "draft_model": the draft causal LM's subfolder
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A drafter checkpoint is missing, torn, or malformed."""
 
 
-class DrafterMismatchError(ValueError):
+class DrafterMismatchError(UsageError):
     """A drafter checkpoint does not fit the base model it is loaded with."""
 
 
@@ -228,12 +231,9 @@ def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedDrafter:
-    """Read a draftsmith checkpoint written by `save_drafter`, or an original-Medusa directory (medusa_lm_head.*)."""
+    """Read a draftsmith checkpoint written by `save_drafter` (models.interop.load_heads also reads the original
+    Medusa repository's directories)."""
     path = Path(path)
-    from models.interop import is_medusa_dir, load_medusa_dir  # here: models.interop imports this module
-
-    if is_medusa_dir(path):
-        return load_medusa_dir(path, device, dtype)
     config = read_drafter_config(path)
     if config["drafter_type"] != "medusa":
         raise CheckpointError(f"{path / CONFIG_NAME}: drafter_type {config['drafter_type']!r} has no weights loader")
@@ -341,8 +341,6 @@ def save_draft_model(
     def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
         if stopper is not None:
-            from models.stopper import save_stopper
-
             save_stopper(tmp, stopper)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
@@ -389,8 +387,6 @@ def load_drafter_target(path: str | os.PathLike, base: str | None = None, **load
     backbone: that folder's model (`base` is ignored). A "lora_adapter": the base with the adapter merged in, or, on a
     quantized base, a peft model with the adapter active (merging would round the adapter into 4-bit weights).
     """
-    from models.loading import load_target
-
     path = Path(path)
     found = backbone_folder(path)
     if found is not None and found[0] == "merged":

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
-from models.loading import (EARLY_EXIT_PREFIX, TOKENIZER_FILES, ModelLoadError, model_settings, resolve_model_path,
-                            torch_dtype)
+from models.builtin import EARLY_EXIT_PREFIX, TOKENIZER_FILES, ModelLoadError, model_settings, resolve_builtin, torch_dtype
 
 FORMAT_VERSION = 1
 PROVENANCE_FILE = "early_exit.json"
@@ -57,8 +56,13 @@ def parse_early_exit(name: str) -> EarlyExitName:
 
 
 def source_location(source: str) -> str:
-    """A model name as a loadable location: conf/model names and builtin:<name> become their directories."""
-    return resolve_model_path(model_settings(source)["path"])
+    """A model name as a loadable location: conf/model names and builtin:<name> become their directories. A draft
+    is cut from a full model: an early-exit source is refused (cut the original with fewer layers instead)."""
+    path = model_settings(source)["path"]
+    if path.startswith(EARLY_EXIT_PREFIX):
+        raise ModelLoadError(f"{EARLY_EXIT_PREFIX}{source}:...: the source is itself an early-exit draft; "
+                             f"name its own model with the layer count you want")
+    return resolve_builtin(path)
 
 
 def build_early_exit_draft(target: str, num_layers: int, out_dir: str | Path, dtype: str | None = None,

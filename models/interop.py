@@ -50,15 +50,13 @@ from models.checkpoint import (
     medusa_config_dict,
     save_drafter,
 )
+from models.builtin import TOKENIZER_COPY_FILES
+from models.loading import load_target, resolve_model_path
 from models.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # preferred first
 VLLM_WEIGHTS_NAME = "model.safetensors"
 SOURCE_FORMAT = "FasterDecoding/Medusa"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
-)
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 _PREFIX = "medusa_head."  # keys of the whole MedusaModel state dict
 
@@ -224,8 +222,6 @@ def base_vocab_size(base: str | None) -> int | None:
         return None
     from transformers import AutoConfig
 
-    from models.loading import resolve_model_path
-
     try:
         config = AutoConfig.from_pretrained(resolve_model_path(base), local_files_only=True)
     except (OSError, ValueError, ImportError):  # not local, not cached, or no builder for a builtin name
@@ -233,8 +229,16 @@ def base_vocab_size(base: str | None) -> int | None:
     return getattr(config.get_text_config(), "vocab_size", None)
 
 
+def load_heads(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+               ) -> LoadedDrafter:
+    """Medusa heads from an original-Medusa directory (medusa_lm_head.*) or a draftsmith checkpoint."""
+    if is_medusa_dir(path):
+        return load_medusa_dir(path, device, dtype)
+    return load_drafter(path, device, dtype)
+
+
 def load_medusa_dir(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedDrafter:
-    """An original-Medusa directory as a LoadedDrafter (the hook behind models.checkpoint.load_drafter)."""
+    """An original-Medusa directory as a LoadedDrafter (see `load_heads`)."""
     heads, base = import_medusa(path)
     config = {**medusa_config_dict(heads.config), "base_model_name_or_path": base, "source_format": SOURCE_FORMAT}
     heads.to(device=device, dtype=dtype)
@@ -270,7 +274,7 @@ def convert_medusa(
     base = base_model or base
     if not base:
         raise CheckpointError(f"{src / CONFIG_NAME}: no base_model_name_or_path; pass base_model (--base-model)")
-    tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+    tokenizer_files = [src / name for name in TOKENIZER_COPY_FILES if (src / name).is_file()]
     extra = {"method": "medusa (imported)", "source_format": SOURCE_FORMAT, "source": str(src)}
     return save_drafter(dst, heads, base, tokenizer=_CopiedTokenizerFiles(tokenizer_files) if tokenizer_files else None, extra=extra)
 
@@ -313,8 +317,6 @@ def vllm_state(heads: MedusaHeads, base_lm_head: torch.Tensor | None = None) -> 
 
 def base_lm_head_weight(base_model: str, heads: MedusaHeads, drafter_config: dict[str, Any]) -> torch.Tensor:
     """The base model's output-embedding weight [V, D], after checking that the heads fit the model."""
-    from models.loading import load_target
-
     dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[next(heads.parameters()).dtype]
     model = load_target(base_model, dtype=dtype)
     check_compatible(drafter_config, model.config)
@@ -342,7 +344,7 @@ def export_vllm(src: str | os.PathLike, dst: str | os.PathLike, base_model: str 
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst}: destination must differ from the source directory")
-    loaded = load_drafter(src, dtype=stored_dtype(src))
+    loaded = load_heads(src, dtype=stored_dtype(src))
     if loaded.heads.vocab_ids is not None:  # vLLM's truncated vocabulary assumes ids [0, S), not a frequency shortlist
         raise CheckpointError(f"{src}: heads with a draft vocabulary (draft_vocab_size="
                               f"{loaded.heads.config.draft_vocab_size}) have no vLLM layout; train without "

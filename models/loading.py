@@ -16,69 +16,25 @@ from typing import Any
 
 import torch
 
+from data.templates import get_template
+from models.builtin import (  # noqa: F401  (re-exported: the names callers know models.loading by)
+    BUILTIN_PREFIX, DTYPES, EARLY_EXIT_PREFIX, MODEL_PREFIXES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError,
+    model_settings, resolve_builtin, torch_dtype,
+)
+from models.early_exit import ensure_early_exit
+
 log = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "builtin:"
-EARLY_EXIT_PREFIX = "early_exit:"
-MODEL_PREFIXES = (BUILTIN_PREFIX, EARLY_EXIT_PREFIX)  # model names draftsmith resolves itself (not paths or hub ids)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-QUANTIZATIONS = (None, "none", "nf4")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one will do
-# device_map strategies from_pretrained computes itself (accelerate's infer_auto_device_map over the visible devices)
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-class ModelLoadError(ValueError):
-    """The model could not be found or loaded; the message names the path and the reason."""
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-
-def model_settings(name: str) -> dict[str, Any]:
-    """A conf/model/<name>.yaml's path, dtype and chat_template (`builtin:<name>` reads conf/model/<name>.yaml when
-    that file's path is the same builtin); anything else (a directory, hub id, other builtin) as a path with no
-    settings. The one place command-line tools turn `--model vicuna7b` / `--base tiny` into a model."""
-    from importlib import resources
-
-    from omegaconf import OmegaConf
-
-    builtin = name.startswith(BUILTIN_PREFIX)
-    conf = resources.files("conf").joinpath("model", f"{name.removeprefix(BUILTIN_PREFIX)}.yaml")
-    if (not builtin and "/" in name) or not conf.is_file():
-        return {"path": name, "dtype": None, "chat_template": None}
-    c = OmegaConf.load(str(conf))
-    model = c.model if "model" in c else c  # tiny.yaml is a global package: its model keys sit under `model`
-    if builtin and str(model.path) != name:
-        return {"path": name, "dtype": None, "chat_template": None}
-    return {"path": str(model.path), "dtype": model.get("dtype"), "chat_template": model.get("chat_template")}
-
 def resolve_model_path(name_or_path: str) -> str:
-    """Map "builtin:<name>" to the directory of that model: the tiny models are built on first use (models.tiny),
-    SmolLM2 is found in the hub cache or converted once from its GGUF (models.smollm2). "early_exit:<model>:<N>" maps
-    to the cached folder of <model>'s first N layers (models.early_exit, built on first use)."""
+    """Map "builtin:<name>" to the directory of that model (models.builtin: the tiny models, SmolLM2) and
+    "early_exit:<model>:<N>" to the cached folder of <model>'s first N layers (models.early_exit, cut on first use);
+    any other string is returned unchanged (a directory or hub id for `from_pretrained`)."""
     if name_or_path.startswith(EARLY_EXIT_PREFIX):
-        from models.early_exit import ensure_early_exit  # deferred: it imports this module
-
         return str(ensure_early_exit(name_or_path))
-    if not name_or_path.startswith(BUILTIN_PREFIX):
-        return name_or_path
-    name = name_or_path[len(BUILTIN_PREFIX):]
-    from models import smollm2, tiny  # deferred: building/converting pulls in the trainer and gguf reader
-
-    if name == smollm2.NAME:
-        try:
-            return str(smollm2.ensure_smollm2())
-        except smollm2.SourceUnavailable as e:
-            raise ModelLoadError(str(e)) from None
-    if name not in tiny.BUILTIN_MODELS:
-        choices = ", ".join(BUILTIN_PREFIX + n for n in (*tiny.BUILTIN_MODELS, smollm2.NAME))
-        raise ModelLoadError(f"unknown built-in model {name_or_path!r}; choose one of {choices}")
-    return str(tiny.ensure_built(name))
+    return resolve_builtin(name_or_path)
 
 
 def model_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
@@ -333,8 +289,6 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
         first = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load tokenizer {name_or_path!r}: {first}") from None
     if chat_template is not None:
-        from data.templates import get_template
-
         tokenizer.chat_template = get_template(chat_template)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token

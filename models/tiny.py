@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from data.chat import encode_chat, encode_prompt
+from data.stdlib_chat import stdlib_conversations
+from data.stdlib_corpus import corpus_documents
 from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
 
 BUILTIN_MODELS = ("tiny", "tiny-draft")
@@ -123,6 +126,12 @@ class BuildInfo:
     format_version: int = FORMAT_VERSION
 
 
+def is_built(name: str, cache_dir: Path | None = None) -> bool:
+    """Whether model `name` is complete in the cache (resolving it then loads, never trains)."""
+    _check_name(name)
+    return is_complete((cache_root() if cache_dir is None else Path(cache_dir)) / "models" / name, FORMAT_VERSION)
+
+
 def ensure_built(name: str, progress: bool = True, cache_dir: Path | None = None, force: bool = False) -> Path:
     """Directory of the built model `name`, building it (and the shared tokenizer) first when missing.
 
@@ -160,8 +169,6 @@ def build_tokenizer(out_dir: Path, spec: TokenizerSpec = TokenizerSpec(), progre
     """Train the byte-level BPE on the train split, save it as a PreTrainedTokenizerFast, tokenise both splits."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from data.stdlib_corpus import corpus_documents
 
     out_dir = Path(out_dir)
     docs = {split: _capped(corpus_documents(split), spec.max_corpus_chars) for split in ("train", "validation")}
@@ -359,8 +366,6 @@ def _windows(stream: torch.Tensor, max_tokens: int, seq_len: int) -> tuple[torch
 def _chat_rows(tokenizer, conversations: list, seq_len: int, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Encoded conversations (assistant-only labels) packed back to back, stopping at max_tokens, cut into [B, T]
     rows; a conversation may straddle two rows (its tail then trains without its head as context)."""
-    from data.chat import encode_chat
-
     ids, labels = [], []
     for messages in conversations:
         encoded = encode_chat(tokenizer, messages, max_length=MAX_CHAT_TOKENS)
@@ -381,8 +386,6 @@ def _conversations(seed: int, limit: int | None) -> tuple[list, list]:
     """(train conversations in a seeded shuffled order, validation conversations in corpus order)."""
     import random
 
-    from data.stdlib_chat import stdlib_conversations
-
     train = stdlib_conversations("train", limit=limit)
     random.Random(seed).shuffle(train)
     return train, stdlib_conversations("validation", limit=limit)
@@ -391,8 +394,6 @@ def _conversations(seed: int, limit: int | None) -> tuple[list, list]:
 @torch.no_grad()
 def _sample(model, tokenizer, conversations: list) -> tuple[str, str]:
     """Greedy completion of the first "write" prompt among `conversations` (prompt text, completion text)."""
-    from data.chat import encode_prompt
-
     messages = next((c for c in conversations if c[0]["content"].startswith("Write")), conversations[0])[:1]
     prompt = torch.tensor([encode_prompt(tokenizer, messages)])
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, do_sample=False)

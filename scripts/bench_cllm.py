@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.jacobi import data_config, prompt_samples  # noqa: E402
+from data.config import load_data_config  # noqa: E402
+from data.jacobi import prompt_samples  # noqa: E402
 from inference import Engine, NoDrafter, load  # noqa: E402
 from models.loading import load_tokenizer  # noqa: E402
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp32")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.base)
-    samples = prompt_samples(data_config(args.data, []), tokenizer, "validation", args.prompts)
+    samples = prompt_samples(load_data_config(args.data), tokenizer, "validation", args.prompts)
     prompts = [list(s.prompt_ids) for s in samples]
     tuned = load(args.cllm, dtype=args.dtype)
     n = tuned.drafter.options.block_size

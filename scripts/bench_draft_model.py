@@ -26,12 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.chat import encode_prompt  # noqa: E402
 from inference.draft_model import DraftModelDrafter, check_vocab, checkpoint_stopper, draft_shape, is_plain_model  # noqa: E402
 from inference.draft_stop import parse_stop  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from inference.api import Engine  # noqa: E402
 from models.checkpoint import draft_model_folder  # noqa: E402
 from models.loading import BUILTIN_PREFIX, load_target, load_tokenizer  # noqa: E402
+from models.tiny import is_built  # noqa: E402
 
 QUESTIONS = (
     "How do I read a file line by line?",
@@ -44,9 +46,7 @@ QUESTIONS = (
 def require_built(name: str) -> None:
     """Exit cleanly when a builtin model is not built yet (building takes a long time; not this script's job)."""
     if name.startswith(BUILTIN_PREFIX):
-        from models.tiny import cache_root, is_complete
-
-        if not is_complete(cache_root() / "models" / name[len(BUILTIN_PREFIX):]):
+        if not is_built(name[len(BUILTIN_PREFIX):]):
             raise SystemExit(f"{name} is not built (python scripts/build_tiny_models.py); nothing measured")
 
 
@@ -64,8 +64,6 @@ def questions(count: int) -> list[str]:
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    from data.chat import encode_prompt
-
     out = []
     for q in questions(count):
         try:

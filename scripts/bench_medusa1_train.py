@@ -44,7 +44,7 @@ def peak_memory_child(path: str, quantization: str, heads: int, steps: int, batc
                 return int(line.split()[1]) / 1024
         raise RuntimeError(field)
 
-    import train.medusa1  # noqa: F401  (imports before the baseline)
+    import train.medusa1  # noqa: F401  # deferred: its imports land before the baseline RSS is read
 
     baseline = rss("VmRSS")
     target = load_target(path, dtype="bf16", quantization=None if quantization == "bf16" else "nf4")

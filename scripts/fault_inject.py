@@ -85,7 +85,7 @@ def environment() -> dict[str, str]:
 
 def checkpoints(out: Path) -> dict[str, str | None]:
     """checkpoint-N -> why it is torn (None: complete), in step order."""
-    from train.base import checkpoint_problem  # imported by main() before any timing
+    from train.base import checkpoint_problem  # deferred: heavy; main() imports it before any timing
 
     found = [p for p in (out / "checkpoints").glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
     return {p.name: checkpoint_problem(p) for p in sorted(found, key=lambda p: int(p.name.split("-")[1]))}
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     model, data = prepare(work, args.seed)
-    import train.base  # noqa: F401  (heavy; imported now so that it does not delay a launch's kill)
+    import train.base  # noqa: F401  # deferred: heavy; imported now so that it does not delay a launch's kill
     reference, faulty = work / "reference", work / "faulty"
     cmd = command(model, data, reference, args, resume=False)
     startup, train_seconds = timed_reference(cmd, work / "reference.log", args.steps)

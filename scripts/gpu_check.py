@@ -193,8 +193,8 @@ def nf4_unavailable() -> str | None:
 def pack_tiny(drafter: Path, dest: Path, questions: Path) -> int:
     """Copy the medusa1 checkpoint (its top-level files: not checkpoints/, the trainer state), its base model and the
     question file into `dest` (medusa1/, base/, question.jsonl); returns the bytes copied."""
-    from models.checkpoint import read_drafter_config
-    from models.loading import resolve_model_path
+    from models.checkpoint import read_drafter_config  # deferred: after the package checks
+    from models.loading import resolve_model_path  # deferred: after the package checks
 
     base = Path(resolve_model_path(read_drafter_config(drafter)["base_model_name_or_path"]))
     dest.mkdir()
@@ -217,7 +217,7 @@ def run_pack(args: argparse.Namespace) -> int:
         fail(f"--tiny-drafter {drafter}: no config.json (train it: python -m train medusa1 +model=tiny)")
     questions = Path(args.questions) if args.questions else None
     if questions is None:
-        from inference.prompt_sets import DEFAULT_QUESTIONS
+        from inference.prompt_sets import DEFAULT_QUESTIONS  # deferred: after the package checks
 
         questions = DEFAULT_QUESTIONS
     if not questions.is_file():
@@ -249,7 +249,7 @@ def allocated(device: torch.device) -> int:
 def train_section(target: torch.nn.Module, plan: Plan, baseline: int, seed: int,
                   variants: dict[str, torch.dtype | None]) -> dict:
     """Memory of the README's memory setup (3 heads sharing the lm_head, 2 steps), throughput of medusa1's defaults."""
-    from train.medusa1_cost import StepSetup, memory_figures, throughput_figures
+    from train.medusa1_cost import StepSetup, memory_figures, throughput_figures  # deferred: after the package checks
 
     memory = StepSetup(plan.memory_heads, plan.batch, plan.seq, steps=2, share_lm_head=True)
     speed = StepSetup(plan.medusa_heads, plan.batch, plan.seq, plan.steps)
@@ -258,7 +258,7 @@ def train_section(target: torch.nn.Module, plan: Plan, baseline: int, seed: int,
 
 
 def nf4_section(path: Path, plan: Plan, device: torch.device, seed: int, bf16: dict | None) -> dict:
-    from models.loading import load_target
+    from models.loading import load_target  # deferred: after the package checks
 
     baseline = allocated(device)
     target = load_target(str(path), dtype="bf16", quantization="nf4", device_map=str(device))
@@ -270,7 +270,7 @@ def nf4_section(path: Path, plan: Plan, device: torch.device, seed: int, bf16: d
 
 
 def engine_section(model: torch.nn.Module, plan: Plan, device: torch.device, seed: int, progress: Progress) -> dict:
-    from inference.engine_check import EngineSetup, check_engine, lm_head_heads
+    from inference.engine_check import EngineSetup, check_engine, lm_head_heads  # deferred: after the package checks
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, plan.vocab, (plan.prompt_len,), generator=g).tolist() for _ in range(plan.prompts)]
@@ -280,7 +280,7 @@ def engine_section(model: torch.nn.Module, plan: Plan, device: torch.device, see
 
 
 def tiny_section(bundle: Path, out: Path, plan: Plan, device: torch.device) -> dict:
-    from inference.cli import main as inference_main
+    from inference.cli import main as inference_main  # deferred: after the package checks
 
     argv = ["bench", "--drafter", str(bundle / "medusa1"), "--base", str(bundle / "base"), "--questions",
             str(bundle / "question.jsonl"), "--dtype", "fp32", "--device", str(device), "--max-new-tokens",
@@ -367,7 +367,7 @@ def main(argv: list[str]) -> int:
     write(out, results, progress)
     nf4_reason = nf4_unavailable() if "nf4" in sections else None
     if {"train", "nf4", "engine"} & set(sections):
-        from train.medusa1_cost import release
+        from train.medusa1_cost import release  # deferred: after the package checks
 
         baseline = allocated(device)
         progress.say(f"building a random Llama (hidden {plan.hidden} x {plan.layers} layers, vocab {plan.vocab}) on "

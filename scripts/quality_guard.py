@@ -18,18 +18,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hydra import compose, initialize_config_module  # noqa: E402
+
+from data.collate import ChatCollator  # noqa: E402
+from data.datasets import build_datasets  # noqa: E402
+from models.checkpoint import load_drafter_target, read_drafter_config  # noqa: E402
+from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
+from train.base import prompt_ids  # noqa: E402
+from train.config import register_configs  # noqa: E402
+from train.quality_guard import greedy_agreement, greedy_reference, lm_quality  # noqa: E402
+
 
 def main() -> None:
-    from hydra import compose, initialize_config_module
-
-    from data.collate import ChatCollator
-    from data.datasets import build_datasets
-    from models.checkpoint import load_drafter_target, read_drafter_config
-    from models.loading import load_target, load_tokenizer, model_settings
-    from train.base import prompt_ids
-    from train.config import register_configs
-    from train.quality_guard import greedy_agreement, greedy_reference, lm_quality
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a draftsmith checkpoint that carries a fine-tuned backbone")
     parser.add_argument("--data", default="default", help="conf/data name; override keys as data.key=value")

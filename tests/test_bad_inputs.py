@@ -31,6 +31,7 @@ from inference.drafters import MedusaDrafter
 from inference.tree import TreeError, load_tree
 from inference.verify import SamplingParams
 from models.checkpoint import CheckpointError, DrafterMismatchError, check_compatible, load_drafter, save_drafter
+from models.interop import load_heads
 from models.loading import ModelLoadError, load_target, load_tokenizer
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import DataCfg, tiny_tokenizer
@@ -186,7 +187,7 @@ def evil_pickle(ws: Workspace):
     folder.mkdir()
     (folder / "medusa_lm_head.pt").write_bytes(pickle.dumps({"0.0.linear.weight": Payload()}, protocol=2))
     try:
-        return load_drafter(folder)
+        return load_heads(folder)  # the reader of original-Medusa directories
     finally:
         assert not (ws.tmp / "pwned").exists()
 

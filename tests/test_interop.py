@@ -2,7 +2,7 @@
 
 Each case writes a checkpoint in the original repository's layout from random heads built here the way the reference
 builds them (a ModuleList of Sequential(ResBlock x L, Linear)), then compares, on the same hidden states:
-reference → import_medusa → load_drafter(original dir) → draftsmith checkpoint → vLLM layout read back by a loader
+reference → import_medusa → load_heads(original dir) → draftsmith checkpoint → vLLM layout read back by a loader
 written here to vLLM's Medusa spec.
 """
 
@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from models.checkpoint import CheckpointError, load_drafter, read_drafter_config, save_drafter
 from models.convert import main as convert_main
-from models.interop import convert_medusa, export_vllm, import_medusa
+from models.interop import convert_medusa, export_vllm, import_medusa, load_heads
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import tiny_tokenizer
 from tests.model_support import save_tiny_model
@@ -168,7 +168,7 @@ def test_logits_identical_through_import_and_export(tmp_path, base_dir, base_lm_
         assert torch.equal(per_head_logits(heads, hidden, lm_head), expected)
         torch.testing.assert_close(heads(hidden, lm_head), expected)
 
-        via_hook = load_drafter(src)
+        via_hook = load_heads(src)
         assert via_hook.config["head_format"] == ("shared_lm_head" if shared else "per_head_lm_head")
         assert torch.equal(per_head_logits(via_hook.heads, hidden, lm_head), expected)
 

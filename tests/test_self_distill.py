@@ -10,7 +10,7 @@ from data.chat import encode_prompt
 from data.readers import read_conversations
 from inference.api import Engine
 from inference.drafters import NoDrafter
-from inference.self_distill import DistillConfig, done_ids, main, record_id, script_of, self_distill
+from inference.self_distill import SelfDistillConfig, done_ids, main, record_id, script_of, self_distill
 from models.loading import load_target, load_tokenizer
 from tests.model_support import save_tiny_model
 
@@ -49,9 +49,10 @@ def test_script_of():
 
 def test_batched_equals_one_by_one_and_reads_as_sharegpt(setup, tmp_path):
     path, engine, tokenizer = setup
-    config = DistillConfig(max_new_tokens=6, batch_size=3)
+    config = SelfDistillConfig(max_new_tokens=6, batch_size=3)
     stats = self_distill(engine, tokenizer, conversations(), tmp_path / "batched.jsonl", config)
-    self_distill(engine, tokenizer, conversations(), tmp_path / "single.jsonl", DistillConfig(max_new_tokens=6, batch_size=1))
+    self_distill(engine, tokenizer, conversations(), tmp_path / "single.jsonl",
+                 SelfDistillConfig(max_new_tokens=6, batch_size=1))
     batched, single = read_jsonl(tmp_path / "batched.jsonl"), read_jsonl(tmp_path / "single.jsonl")
     assert stats.written == len(batched) == 5
     assert stats.truncated_turns + sum(r["finish"].count("stop") for r in batched) == 6  # 6 answers in all
@@ -73,7 +74,7 @@ def test_batched_equals_one_by_one_and_reads_as_sharegpt(setup, tmp_path):
 def test_resume_skips_done_ids_and_cuts_a_torn_line(setup, tmp_path):
     path, engine, tokenizer = setup
     out = tmp_path / "out.jsonl"
-    config = DistillConfig(max_new_tokens=4, batch_size=2)
+    config = SelfDistillConfig(max_new_tokens=4, batch_size=2)
     self_distill(engine, tokenizer, conversations()[:2], out, config)
     with open(out, "a") as f:
         f.write('{"id": "src.json:3", "conversa')  # killed mid-write

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.jacobi import main as collect_main
+from inference.collect_jacobi import main as collect_main
 from data.jacobi import read_records
 from inference import Engine, NoDrafter, load
 from tests.model_support import save_tiny_model

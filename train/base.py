@@ -22,6 +22,16 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
+from data.chat import encode_prompt, first_user_turn
+from data.collate import ChatCollator
+from data.datasets import SplitDatasets, build_datasets, load_conversations
+from inference.api import Engine
+from inference.drafters import NoDrafter
+from inference.self_distill import SelfDistillConfig, self_distill
+from models.checkpoint import CheckpointError, read_drafter_config
+from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
+from train.checks import check_values
+from train.config import RESUME_KEYS
 from train.distributed import deepspeed_settings, gathered, init_deepspeed_comm, is_main_process
 
 log = logging.getLogger("draftsmith")
@@ -274,8 +284,6 @@ def resolve_resume(setting: str | None, checkpoints_dir: Path) -> str | None:
     """"auto" -> newest complete trainer checkpoint (see `checkpoint_problem`), else None; a path -> that path,
     which must be complete. Torn checkpoints are skipped with a warning; on the main process, temporary directories
     left by a killed write (of a checkpoint, or of the final output next to `checkpoints_dir.parent`) are removed."""
-    from models.checkpoint import CheckpointError
-
     if setting in (None, "", "none"):
         return None
     if setting != "auto":
@@ -301,9 +309,6 @@ def check_resume(cfg: DictConfig, checkpoint: Path) -> None:
     """Refuse, in one line and before any model loads, to resume a trainer checkpoint written with other values of
     the keys that fix what it holds (train.config.RESUME_KEYS); a checkpoint without a recorded config passes (its
     weights then fail to load with their own message)."""
-    from models.checkpoint import CheckpointError, read_drafter_config
-    from train.config import RESUME_KEYS
-
     saved = read_drafter_config(checkpoint).get("training", {}).get("config")
     if not isinstance(saved, dict):
         return
@@ -374,9 +379,6 @@ def first_user_prompts(cfg: DictConfig, tokenizer: Any, split: str, limit: int, 
     conversations shuffled with `shuffle_seed` first when given."""
     import random
 
-    from data.chat import encode_prompt
-    from data.datasets import load_conversations
-
     if limit <= 0:
         return []
     conversations = load_conversations(cfg.data, split)
@@ -384,10 +386,10 @@ def first_user_prompts(cfg: DictConfig, tokenizer: Any, split: str, limit: int, 
         random.Random(shuffle_seed).shuffle(conversations)
     prompts = []
     for conv in conversations:
-        first_user = next((i for i, m in enumerate(conv) if m["role"] == "user"), None)
-        if first_user is None:
+        turn = first_user_turn(conv)
+        if turn is None:
             continue
-        prompts.append(encode_prompt(tokenizer, conv[: first_user + 1], chat_template=cfg.data.chat_template))
+        prompts.append(encode_prompt(tokenizer, turn, chat_template=cfg.data.chat_template))
         if len(prompts) == limit:
             break
     return prompts
@@ -404,17 +406,12 @@ def self_distilled_train(cfg: DictConfig, target: nn.Module, tokenizer, args: Tr
     """
     import random
 
-    from data.datasets import build_datasets, load_conversations
-    from inference.api import Engine
-    from inference.drafters import NoDrafter
-    from inference.self_distill import DistillConfig, self_distill
-
     d = cfg.data
     conversations = list(enumerate(load_conversations(d, "train"), start=1))
     random.Random(d.seed).shuffle(conversations)
     conversations = [(f"train:{i}", c) for i, c in conversations[: d.self_distill_samples]]
-    config = DistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size, max_turns=1,
-                           chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed)
+    config = SelfDistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size,
+                               max_turns=1, chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed)
     with args.main_process_first(desc="self-distillation"):
         was_training = target.training
         stats = self_distill(Engine(target.eval(), NoDrafter()), tokenizer, conversations, path, config)
@@ -431,11 +428,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
     Everything a user gave is checked before the expensive work: values and combinations, the resumed checkpoint
     against this config, the 4-bit layers' shapes, cross-file inputs (ChecksInputs), then every data record; only
     then does the target load and the data get generated (self-distillation) or trained on."""
-    from data.collate import ChatCollator
-    from data.datasets import SplitDatasets, build_datasets
-    from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
-    from train.cli import check_values
-
     check_values(cfg)  # again for each job of a multirun, whose values were not checked before Hydra started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     set_seed(cfg.seed)

@@ -15,7 +15,6 @@ import os
 import re
 import sys
 from importlib import resources
-from pathlib import Path
 
 from hydra import compose, initialize_config_module
 from hydra._internal.utils import get_args_parser
@@ -23,7 +22,9 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.errors import UsageError
 from train import config as schema
+from train.checks import check_values
 from train.config import register_configs
 
 CONFIG_MODULE = "conf"
@@ -33,10 +34,6 @@ _LOCAL_RANK = re.compile(r"^--local[_-]rank=(\d+)$")
 _NOT_IN_SCHEMA = re.compile(r"Could not override '([^']+)'.*Key '([^']+)' not in '(\w+)'", re.S)
 # OSErrors of the storage (not of the program): reported as one line naming the file.
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOTDIR)
-
-
-class UsageError(Exception):
-    """A bad command line; the message is the one line the user sees."""
 
 
 def available(group: str) -> list[str]:
@@ -119,55 +116,6 @@ def unknown_key_message(key: str, schema_name: str) -> str:
     return f"unknown config key '{key}'{hint}"
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Settings whose type is right but whose value is not (a choice, a numeric range of train.config.RANGES, ...):
-    fail here, naming the key, not deep in the run. Run before Hydra starts, and again by each job of a multirun."""
-    from data.readers import FORMATS
-    from models.loading import DTYPES, QUANTIZATIONS
-
-    choices = {
-        "model.dtype": tuple(DTYPES),
-        "model.quantization": QUANTIZATIONS,
-        "data.format": ("builtin", *FORMATS),
-        "data.on_error": ("raise", "skip"),
-        "training.on_nonfinite": ("stop", "skip"),
-    }
-    for key, allowed in choices.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            shown = ", ".join("null" if a is None else a for a in allowed)
-            raise UsageError(f"{key}={value}: choose one of {shown}")
-    problem = schema.out_of_range(cfg)
-    if problem:
-        raise UsageError(problem)
-    check_self_distill(cfg)
-    check_output_dir(cfg.output_dir)
-
-
-def check_self_distill(cfg: DictConfig) -> None:
-    """data.self_distill generates with the target before training: refuse the setups where that cannot work."""
-    if not OmegaConf.select(cfg, "data.self_distill", default=False):
-        return
-    if OmegaConf.select(cfg, "deepspeed.name") == "zero3":
-        raise UsageError("data.self_distill=true: a ZeRO-3 target is partitioned and cannot generate; "
-                         "write the data first with scripts/self_distill.py and pass it as data.path")
-    if cfg.model.quantization == "nf4" and cfg.method.name != "medusa1":
-        # Generating through a 4-bit model that is trained afterwards silently kills its gradients on CPU.
-        raise UsageError(f"data.self_distill=true with model.quantization=nf4 is only for medusa1 (frozen backbone); "
-                         f"for {cfg.method.name} write the data first with scripts/self_distill.py")
-
-
-def check_output_dir(output_dir: str) -> None:
-    """The nearest existing ancestor of output_dir must be a writable directory (a file in the way fails here,
-    before Hydra creates the run directory)."""
-    path = Path(output_dir).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"output_dir={output_dir}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"output_dir={output_dir}: {existing} is not writable")
-
-
 def parse(argv: list[str]) -> list[str]:
     """argv after `python -m train` -> Hydra overrides, with method=<first word> in front."""
     argv = pop_local_rank(argv)
@@ -185,23 +133,19 @@ def parse(argv: list[str]) -> list[str]:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors caused by input (data, paths, checkpoints, settings): reported as one line, exit code 1."""
-    from data.readers import DataError
-    from data.templates import ChatTemplateError
-    from models.checkpoint import CheckpointError, DrafterMismatchError
-    from models.loading import ModelLoadError
-    from train.base import NonFiniteLossError
+    """Errors caused by input (data, paths, checkpoints, settings: all UsageErrors) and a diverging loss: reported
+    as one line, exit code 1."""
+    from train.base import NonFiniteLossError  # deferred: train.base pulls in transformers' Trainer (seconds)
 
-    return (DataError, ChatTemplateError, CheckpointError, DrafterMismatchError, ModelLoadError, NonFiniteLossError,
-            PermissionError, FileNotFoundError, IsADirectoryError, UsageError)
+    return (UsageError, NonFiniteLossError, PermissionError, FileNotFoundError, IsADirectoryError)
 
 
 def run_task(cfg) -> None:
     """Hydra task: train, turning input errors into one line on stderr and exit code 1."""
-    from train.base import run
+    from train import base  # deferred: transformers' Trainer (seconds), not needed to reject a bad command line
 
     try:
-        run(cfg)
+        base.run(cfg)
     except user_errors() as e:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)  # the newline ends a progress bar's line
         raise SystemExit(1) from None

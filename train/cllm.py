@@ -31,13 +31,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from data.datasets import in_validation
+from data.errors import UsageError
 from data.jacobi import AR_SOURCES, TrajectoryCollator, TrajectoryDataset, read_records
 from data.readers import DataError
-from inference.jacobi import INITS
+from inference.drafters import NoDrafter
+from inference.generate import DecodeConfig, generate
+from inference.jacobi import INITS, JacobiDrafter, JacobiOptions
 from models.backbone import final_hidden
 from models.checkpoint import CheckpointError, backbone_folder, save_model_drafter
+from models.loading import load_target
 from train.base import StepOutput
-from train.cli import UsageError
 from train.medusa2_backbone import (
     BACKBONES, BackboneOptions, backbone_writer, is_lora, load_backbone_weights, original_model, prepare_backbone)
 from train.quality_guard import eval_mode, scored_logits
@@ -247,10 +250,6 @@ class Method:
 
     def quality(self, model: nn.Module, batches: Iterable, prompts: list[list[int]], check_greedy: bool,
                 reference: ReferenceLogits | None = None) -> dict[str, float]:
-        from inference.drafters import NoDrafter
-        from inference.generate import DecodeConfig, generate
-        from inference.jacobi import JacobiDrafter, JacobiOptions
-
         sums = {"consistency_loss": 0.0, "ar_loss": 0.0} | ({"ar_kl": 0.0} if reference is not None else {})
         count = 0
         device = model.get_input_embeddings().weight.device
@@ -281,8 +280,6 @@ class Method:
         return metrics
 
     def load_original(self) -> nn.Module:
-        from models.loading import load_target
-
         c = self.cfg.model
         return load_target(c.path, dtype=c.dtype, quantization=c.quantization, double_quant=c.double_quant,
                            attn_implementation=c.attn_implementation, trust_remote_code=c.trust_remote_code,
@@ -312,8 +309,6 @@ class Method:
                            settings=settings, tokenizer=tokenizer, extra=extra)
 
     def load_unquantized(self) -> nn.Module:
-        from models.loading import load_target
-
         c = self.cfg.model
         return load_target(c.path, dtype=c.dtype, attn_implementation=c.attn_implementation,
                            trust_remote_code=c.trust_remote_code, revision=c.revision)

@@ -1,6 +1,6 @@
 """Structured config schema. YAML under conf/ sets values; these dataclasses define which keys exist, so a misspelt
 key fails at composition with the key's full name, and RANGES gives every numeric key its valid values, checked
-(train.cli.check_values) before any model loads or any data is generated."""
+(train.checks) before any model loads or any data is generated."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from data.config import DataConfig  # noqa: F401  (the `data` group's schema, shared with the data collectors)
 
 
 @dataclass
@@ -24,31 +26,6 @@ class ModelConfig:
     chat_template: Optional[str] = None  # shipped template name for models without one (data.templates)
     trust_remote_code: bool = False
     revision: Optional[str] = None
-
-
-@dataclass
-class DataConfig:
-    name: str = "default"
-    format: str = "builtin"  # builtin | sharegpt | alpaca | gsm8k | text
-    path: Optional[str] = None
-    split: str = "train"
-    validation_path: Optional[str] = None
-    validation_fraction: float = 0.02
-    max_length: int = 512
-    packing: bool = False
-    on_error: str = "raise"  # raise | skip
-    max_samples: Optional[int] = None
-    chat_template: Optional[str] = None
-    system_prompt: Optional[str] = None
-    text_field: str = "text"
-    seed: int = 0
-    # Self-distillation (Medusa paper, sec. 3.3): before training, replace the assistant turns of the train split
-    # with the target's own greedy answers (first turn of each conversation), generated through the engine and
-    # cached resumably in <output_dir>/self_distill.jsonl. Heads then learn what the target will actually say.
-    self_distill: bool = False
-    self_distill_samples: Optional[int] = 1200  # conversations to answer (seeded shuffle of the train split); None: all
-    self_distill_new_tokens: int = 128
-    self_distill_batch_size: int = 16
 
 
 @dataclass

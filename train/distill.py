@@ -23,8 +23,12 @@ from omegaconf import DictConfig
 from torch import nn
 
 from data.chat import IGNORE_INDEX
+from data.collate import left_pad
+from data.errors import UsageError
+from inference.draft_model import check_vocab, check_vocab_files
 from models.backbone import padded_position_ids
 from models.checkpoint import draft_model_folder, save_draft_model
+from models.loading import load_target
 from train.base import StepOutput
 
 DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
@@ -80,10 +84,8 @@ def sample_responses(draft: nn.Module, input_ids: torch.Tensor, labels: torch.Te
     real = input_ids != pad_token_id
     starts = torch.where(labelled.any(-1), labelled.float().argmax(-1), real.sum(-1))  # prompt lengths
     prompts = [row[: max(int(s), 1)].tolist() for row, s in zip(input_ids, starts)]
-    width = max(map(len, prompts))
-    device = input_ids.device
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ids, mask = left_pad(prompts, pad_token_id, input_ids.device)  # [B, width] each
+    width = ids.shape[1]
     out = draft.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=True,
                          temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad_token_id,
                          eos_token_id=eos_token_id)  # [B, width + new]
@@ -112,8 +114,6 @@ def draft_path(draft: str) -> str:
 
 class Method:
     def __init__(self, cfg: DictConfig) -> None:
-        from train.cli import UsageError
-
         self.cfg = cfg
         self.m = cfg.method
         if self.m.divergence not in DIVERGENCES:
@@ -132,21 +132,15 @@ class Method:
     def check_inputs(self, tokenizer: Any) -> None:
         """The draft shares the target's vocabulary and tokenizer: from their files, before any model loads or any
         data is generated (train.base.ChecksInputs)."""
-        from inference.draft_model import check_vocab_files
-
         check_vocab_files(draft_path(self.m.draft), self.cfg.model.path, tokenizer, f"method.draft={self.m.draft}",
                           self.cfg.model.trust_remote_code)
 
     def _load_draft(self, frozen: bool) -> nn.Module:
-        from models.loading import load_target
-
         return load_target(draft_path(self.m.draft), dtype=self.m.draft_dtype,
                            attn_implementation=self.cfg.model.attn_implementation,
                            trust_remote_code=self.cfg.model.trust_remote_code, frozen=frozen)
 
     def build(self, target: nn.Module, tokenizer: Any) -> DistillTrainModule:
-        from inference.draft_model import check_vocab
-
         draft = self._load_draft(frozen=False)
         check_vocab(draft, target)
         draft.train().requires_grad_(True)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from data.errors import UsageError
+from models.loading import ModelLoadError, resolve_model_path
 
 log = logging.getLogger("draftsmith")
 
@@ -80,9 +82,6 @@ def deepspeed_settings(cfg: DictConfig) -> dict[str, Any] | None:
     did, and reads the target's hidden size from its config file (the weights are not loaded here)."""
     if cfg.deepspeed.config is None:
         return None
-    from models.loading import ModelLoadError, resolve_model_path
-    from train.cli import UsageError
-
     name = cfg.deepspeed.name
     if cfg.model.quantization not in (None, "none"):
         raise UsageError(f"deepspeed={name} with model.quantization={cfg.model.quantization}: DeepSpeed cannot shard or "

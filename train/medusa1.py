@@ -16,12 +16,13 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
 
+from data.collate import left_pad
 from data.datasets import label_counts
+from data.errors import UsageError
 from models.backbone import final_hidden
 from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
 from train.base import StepOutput
-from train.cli import UsageError
 from train.distributed import gathered
 
 TOPK = (1, 5)
@@ -226,9 +227,8 @@ def greedy_continuations(target: nn.Module, prompts: list[list[int]], max_new_to
     pad = tokenizer.pad_token_id
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        width = max(map(len, chunk))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        input_ids, attention_mask = left_pad(chunk, pad, device)  # [B, width] each
+        width = input_ids.shape[1]
         out = target.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,

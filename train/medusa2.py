@@ -25,13 +25,15 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import TrainerCallback
 
+from data.errors import UsageError
 from models.backbone import final_hidden
 from models.checkpoint import (
-    CheckpointError, DrafterMismatchError, backbone_folder, check_compatible, load_drafter, save_drafter)
+    CheckpointError, DrafterMismatchError, backbone_folder, check_compatible, read_drafter_config, save_drafter)
+from models.interop import is_medusa_dir, load_heads
+from models.loading import load_target, model_config
 from models.medusa import MedusaHeads
 from train import medusa1
 from train.base import StepOutput
-from train.cli import UsageError
 from train.medusa1 import MedusaTrainModule, medusa_loss
 from train.medusa2_backbone import (
     BACKBONES, BackboneOptions, backbone_writer, load_backbone_weights, original_model, prepare_backbone, trainable)
@@ -166,10 +168,6 @@ class Method(medusa1.Method, TrainerCallback):
         any data is generated (train.base.ChecksInputs)."""
         if not self.m.init_heads:
             return
-        from models.checkpoint import read_drafter_config
-        from models.interop import is_medusa_dir
-        from models.loading import model_config
-
         if is_medusa_dir(Path(self.m.init_heads)):
             return  # original-Medusa heads carry no config.json: checked when loaded
         c = self.cfg.model
@@ -181,7 +179,7 @@ class Method(medusa1.Method, TrainerCallback):
 
     def initial_heads(self, target: nn.Module) -> MedusaHeads:
         """Heads of the checkpoint at method.init_heads (stage 1 run separately); its head structure wins."""
-        loaded = load_drafter(self.m.init_heads)
+        loaded = load_heads(self.m.init_heads)
         check_compatible(loaded.config, target.config.get_text_config())
         c = loaded.heads.config
         if (c.num_heads, c.num_layers, c.share_lm_head) != (self.m.num_heads, self.m.num_layers, self.m.share_lm_head):
@@ -242,8 +240,6 @@ class Method(medusa1.Method, TrainerCallback):
         return Reference(quality=quality, greedy=greedy)
 
     def load_original(self, quantization: str | None) -> nn.Module:
-        from models.loading import load_target
-
         c = self.cfg.model
         return load_target(c.path, dtype=c.dtype, quantization=quantization, double_quant=c.double_quant,
                            attn_implementation=c.attn_implementation, trust_remote_code=c.trust_remote_code,

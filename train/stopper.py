@@ -29,8 +29,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from inference.draft_stop import DraftStop
+from data.errors import UsageError
+from inference.api import Engine
+from inference.draft_model import DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model
+from inference.draft_stop import DraftStop, StopTrace
+from models.checkpoint import CONFIG_NAME, draft_model_folder, save_draft_model
+from models.loading import load_target, load_tokenizer
 from models.stopper import FEATURES, StopperModel, stopper_entry
+from train.base import first_user_prompts
+from train.distill import draft_path
 
 log = logging.getLogger(__name__)
 THRESHOLDS = (0.0, 0.01, 0.02, *(round(0.05 * i, 2) for i in range(1, 20)))  # 0 (never stop) .. 0.95
@@ -118,8 +125,6 @@ class Method:
     """A standalone method (train.base.Standalone): it runs its own loop instead of the HF Trainer."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        from train.cli import UsageError
-
         self.cfg = cfg
         m = cfg.method
         for key, low in (("max_gamma", 2), ("prompts", 2), ("max_new_tokens", 1), ("batch_size", 1), ("hidden", 0),
@@ -132,12 +137,6 @@ class Method:
             raise UsageError(f"method.draft_cost={m.draft_cost}: must be >= 0 (one draft forward / one target step)")
 
     def run(self, cfg: DictConfig) -> dict[str, float]:
-        from inference.api import Engine
-        from inference.draft_model import DraftModelDrafter, check_vocab, check_vocab_files
-        from inference.draft_stop import StopTrace
-        from models.checkpoint import save_draft_model
-        from models.loading import load_target, load_tokenizer
-
         m = cfg.method
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.chat_template or cfg.data.chat_template,
                                    cfg.model.trust_remote_code)
@@ -198,10 +197,6 @@ class Method:
 def resolve_draft(draft: str) -> str:
     """method.draft -> the draft causal LM's folder: a conf/model name, hub id, directory, builtin:<name>,
     early_exit:<model>:<layers>, or a draft_model checkpoint (e.g. from `python -m train distill`), whose draft/ folder is used."""
-    from inference.draft_model import is_plain_model
-    from models.checkpoint import CONFIG_NAME, draft_model_folder
-    from train.distill import draft_path
-
     path = draft_path(draft)
     if (Path(path) / CONFIG_NAME).is_file() and not is_plain_model(path):
         return str(draft_model_folder(path))  # a checkpoint, or CheckpointError naming what is wrong with it
@@ -211,8 +206,6 @@ def resolve_draft(draft: str) -> str:
 def train_prompts(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
     """First user turns of the data's train split, shuffled with data.seed, at most method.prompts, each cut to its
     last data.max_length tokens."""
-    from train.base import first_user_prompts
-
     prompts = first_user_prompts(cfg, tokenizer, "train", cfg.method.prompts, shuffle_seed=cfg.data.seed)
     return [ids[-cfg.data.max_length:] for ids in prompts]
 
@@ -232,9 +225,6 @@ def collect(engine, trace, prompts: list[list[int]], m: DictConfig, desc: str) -
 def measure_costs(target: nn.Module, draft: nn.Module, prompts: list[list[int]], m: DictConfig) -> Costs:
     """Seconds of one draft forward and of the rest of a step, from batch-1 chain decoding at max_gamma (the
     engine's phase clock: draft time / draft forwards; forward + verify + cache + other per step)."""
-    from inference.api import Engine
-    from inference.draft_model import DraftModelDrafter
-
     engine = Engine(target, DraftModelDrafter(draft, m.max_gamma))
     draft_s = rest_s = 0.0
     steps = 0

@@ -1,0 +1,64 @@
+"""The `data` config group: its schema (conf/data/*.yaml, checked by Hydra in training) and the one way tools read a
+conf/data file outside a training run (build-tree, the Jacobi collector, benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Mapping, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data.errors import UsageError
+
+
+@dataclass
+class DataConfig:
+    name: str = "default"
+    format: str = "builtin"  # builtin | sharegpt | alpaca | gsm8k | text
+    path: Optional[str] = None
+    split: str = "train"
+    validation_path: Optional[str] = None
+    validation_fraction: float = 0.02
+    max_length: int = 512
+    packing: bool = False
+    on_error: str = "raise"  # raise | skip
+    max_samples: Optional[int] = None
+    chat_template: Optional[str] = None
+    system_prompt: Optional[str] = None
+    text_field: str = "text"
+    seed: int = 0
+    # Self-distillation (Medusa paper, sec. 3.3): before training, replace the assistant turns of the train split
+    # with the target's own greedy answers (first turn of each conversation), generated through the engine and
+    # cached resumably in <output_dir>/self_distill.jsonl. Heads then learn what the target will actually say.
+    self_distill: bool = False
+    self_distill_samples: Optional[int] = 1200  # conversations to answer (seeded shuffle of the train split); None: all
+    self_distill_new_tokens: int = 128
+    self_distill_batch_size: int = 16
+
+
+def available_data_configs() -> list[str]:
+    folder = resources.files("conf").joinpath("data")
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_data_config(name: str, overrides: Sequence[str] | Mapping[str, Any] = (), flag: str = "--data") -> Any:
+    """conf/data/<name>.yaml on the DataConfig schema (a DictConfig) with overrides: `key=value` strings (values
+    parsed as YAML) or a mapping (values kept as given, None skipped). An unknown name, key or value raises
+    UsageError naming `flag` and the name."""
+    conf = resources.files("conf").joinpath("data", f"{name}.yaml")
+    if not conf.is_file():
+        raise UsageError(f"{flag} {name}: unknown data config; available: {', '.join(available_data_configs())}")
+    if isinstance(overrides, Mapping):
+        changes = OmegaConf.create({k: v for k, v in overrides.items() if v is not None})
+    else:
+        bad = next((o for o in overrides if "=" not in o), None)
+        if bad is not None:
+            raise UsageError(f"{bad!r}: overrides look like <key>=<value>")
+        changes = OmegaConf.from_dotlist(list(overrides))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(str(conf)))
+        return OmegaConf.merge(cfg, changes)
+    except OmegaConfBaseException as e:
+        raise UsageError(f"{flag} {name}: {str(e).strip().splitlines()[0]}") from None

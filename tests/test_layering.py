@@ -1,0 +1,232 @@
+"""The import graph runs one way: data <- models <- inference <- train <- tools.
+
+Every project module's imports are read with `ast` (none is executed). The rule, stated once:
+
+* A module's layer is its package's (`LAYERS`), except the entry-point modules listed in `TOOLS` and everything in
+  `scripts/`, which are the top layer: command lines, benchmarks, the tree builder. A module may import its own
+  layer or a lower one, never a higher one, so nothing below a tool imports it. The two collectors
+  (inference.self_distill, inference.collect_jacobi) are engine-layer modules: a training run self-distils in-run.
+* Module-level imports form no cycle (function-local imports do not dodge this: they are in the graph too, below).
+* A module's `if __name__ == "__main__":` block is a command line: it runs only when the module is the program, so
+  it counts as a tool (`python -m data.jacobi` hands over to the collector in inference/ that way).
+* A function-local import of a project module is allowed only when it defers something heavy or optional on purpose,
+  and says so on its line: `# deferred: <reason>`. Imports under `if TYPE_CHECKING:` are typing only and exempt.
+
+`python tests/test_layering.py` prints the figures (cycles, upward edges, function-local imports).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("conf", "data", "models", "inference", "train")
+LAYERS = {"conf": 0, "data": 0, "models": 1, "inference": 2, "train": 3}
+TOOL_LAYER = 4
+# Entry points inside the packages: they sit above every package (see the module docstring).
+TOOLS = frozenset({
+    "inference.__main__", "inference.cli", "inference.session", "inference.bench", "inference.tree_builder",
+    "inference.engine_check",
+    "train.__main__", "train.cli",
+})
+DEFERRED = "# deferred:"
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module
+    target: str  # imported project module (the deepest one that exists)
+    line: int
+    local: bool  # inside a function body
+    justified: bool  # the line carries "# deferred: <reason>"
+    main: bool = False  # under `if __name__ == "__main__":` (runs only as a program: a tool's import)
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every project module (packages and scripts/)."""
+    files = {}
+    for package in (*PACKAGES, "scripts"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files[".".join(parts)] = path
+    return files
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[0]
+    if top == "scripts" or module in TOOLS:
+        return TOOL_LAYER
+    return LAYERS[top]
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The deepest known module that `name` (a module or module.attribute) names."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _is_main_block(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value == "__main__")
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
+    source = path.read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source, filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, local: bool, main: bool = False) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            if isinstance(child, ast.If) and _is_main_block(child) and not local:
+                visit(child, local, True)
+                continue
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, True, main)
+                continue
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                names = [f"{base}.{a.name}" for a in child.names] or [base]
+            else:
+                visit(child, local, main)
+                continue
+            justified = DEFERRED in lines[child.lineno - 1]
+            targets = {_resolve(name, known) for name in names} - {None, module}
+            found.extend(Import(module, t, child.lineno, local, justified, main) for t in sorted(targets))
+
+    visit(tree, False)
+    return found
+
+
+def all_imports() -> list[Import]:
+    files = module_files()
+    known = set(files)
+    return [imp for module, path in files.items() for imp in imports_of(module, path, known)]
+
+
+def cycles(edges: list[Import]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.source, set()).add(e.target)
+        graph.setdefault(e.target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def upward(edges: list[Import]) -> list[Import]:
+    return [e for e in edges if layer(e.target) > (TOOL_LAYER if e.main else layer(e.source))]
+
+
+def import_time(edges: list[Import]) -> list[Import]:
+    """The edges that run when a module is imported: a `__main__` block's run only when it is the program."""
+    return [e for e in edges if not e.main]
+
+
+def _show(e: Import) -> str:
+    return f"{e.source}:{e.line} -> {e.target}"
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    module_level = [e for e in import_time(all_imports()) if not e.local]
+    assert cycles(module_level) == []
+
+
+def test_all_imports_have_no_cycle() -> None:
+    """Function-local imports included: deferring an import must not be a way to close a cycle."""
+    assert cycles(import_time(all_imports())) == []
+
+
+def test_no_upward_import() -> None:
+    assert [_show(e) for e in upward(all_imports())] == []
+
+
+def test_function_local_project_imports_are_justified() -> None:
+    unjustified = [_show(e) for e in all_imports() if e.local and not e.justified]
+    assert unjustified == []
+
+
+def test_rule_sees_a_planted_upward_import(tmp_path: Path) -> None:
+    """The reader is not vacuous: an upward and a cyclic import written into a file are both found."""
+    path = tmp_path / "planted.py"
+    path.write_text("import models.loading\n\ndef f():\n    from train.cli import main\n\n"
+                    "if __name__ == \"__main__\":\n    from inference.cli import main\n")
+    known = set(module_files())
+    found = imports_of("data.planted", path, known | {"data.planted"})
+    assert [(e.target, e.local, e.justified, e.main) for e in found] == [
+        ("models.loading", False, False, False), ("train.cli", True, False, False), ("inference.cli", False, False, True)]
+    assert [e.target for e in upward(found)] == ["models.loading", "train.cli"]  # a __main__ block is a tool
+    assert [e.target for e in import_time(found)] == ["models.loading", "train.cli"]
+    loop = [Import("a", "b", 1, False, False), Import("b", "c", 1, False, False), Import("c", "a", 1, False, False)]
+    assert cycles(loop) == [["a", "b", "c"]]
+
+
+if __name__ == "__main__":
+    edges = all_imports()
+    local = [e for e in edges if e.local]
+    print(f"modules: {len(module_files())}, project import edges: {len(edges)}")
+    print(f"cycles among module-level imports: {cycles([e for e in import_time(edges) if not e.local])}")
+    print(f"cycles with function-local imports: {cycles(import_time(edges))}")
+    ups = upward(edges)
+    print(f"upward edges: {len(ups)}")
+    for e in ups:
+        print("  ", _show(e), "(local)" if e.local else "")
+    statements = {(e.source, e.line) for e in local}
+    print(f"function-local project imports: {len(local)} edges in {len(statements)} statements "
+          f"(justified: {sum(e.justified for e in local)})")
+    for e in local:
+        print("  ", _show(e), "ok" if e.justified else "")

@@ -1,0 +1,61 @@
+"""Settings whose type is right but whose value is not: a choice, a numeric range (train.config.RANGES), a
+self-distillation setup that cannot work, an output folder that cannot be written. Each fails in one line naming
+the key, before Hydra starts (train.cli) and again in each job of a multirun (train.base), not deep in the run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from data.errors import UsageError
+from data.readers import FORMATS
+from models.builtin import DTYPES, QUANTIZATIONS
+from train import config as schema
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Settings whose type is right but whose value is not (a choice, a numeric range of train.config.RANGES, ...):
+    fail here, naming the key, not deep in the run. Run before Hydra starts, and again by each job of a multirun."""
+    choices = {
+        "model.dtype": tuple(DTYPES),
+        "model.quantization": QUANTIZATIONS,
+        "data.format": ("builtin", *FORMATS),
+        "data.on_error": ("raise", "skip"),
+        "training.on_nonfinite": ("stop", "skip"),
+    }
+    for key, allowed in choices.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else a for a in allowed)
+            raise UsageError(f"{key}={value}: choose one of {shown}")
+    problem = schema.out_of_range(cfg)
+    if problem:
+        raise UsageError(problem)
+    check_self_distill(cfg)
+    check_output_dir(cfg.output_dir)
+
+
+def check_self_distill(cfg: DictConfig) -> None:
+    """data.self_distill generates with the target before training: refuse the setups where that cannot work."""
+    if not OmegaConf.select(cfg, "data.self_distill", default=False):
+        return
+    if OmegaConf.select(cfg, "deepspeed.name") == "zero3":
+        raise UsageError("data.self_distill=true: a ZeRO-3 target is partitioned and cannot generate; "
+                         "write the data first with scripts/self_distill.py and pass it as data.path")
+    if cfg.model.quantization == "nf4" and cfg.method.name != "medusa1":
+        # Generating through a 4-bit model that is trained afterwards silently kills its gradients on CPU.
+        raise UsageError(f"data.self_distill=true with model.quantization=nf4 is only for medusa1 (frozen backbone); "
+                         f"for {cfg.method.name} write the data first with scripts/self_distill.py")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """The nearest existing ancestor of output_dir must be a writable directory (a file in the way fails here,
+    before Hydra creates the run directory)."""
+    path = Path(output_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"output_dir={output_dir}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"output_dir={output_dir}: {existing} is not writable")
