@@ -27,14 +27,32 @@ import os
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from data.errors import UsageError  # noqa: E402
+from inference.api import DRAFTER_BUILDERS, NAMED_DRAFTERS, DrafterOptions, Engine, load  # noqa: E402
+from inference.bench import is_draft_model  # noqa: E402
+from inference.bench_methods import HFRunner, Sampling, assisted_settings, pld_defaults  # noqa: E402
+from inference.draft_stop import check_stop_spec  # noqa: E402
+from inference.drafters import NoDrafter  # noqa: E402
+from inference.greedy_ties import Fp64Judge, TieVerdict, first_divergence  # noqa: E402
 from inference.peer_bench import (METHODS, PeerBenchError, cartesian_choices, cartesian_paths,  # noqa: E402
                                   format_breakdown, format_table)
+from inference.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from inference.prompt_sets import is_set_spec, load_questions, parse_sets  # noqa: E402
+from inference.session import Session, encode_messages  # noqa: E402
+from inference.tree import TreeError, read_tree_file  # noqa: E402
+from models.backbone import eos_token_ids  # noqa: E402
+from models.interop import export_medusa  # noqa: E402
+from models.loading import load_tokenizer, model_settings, resolve_model_path  # noqa: E402
 
 PEERS = ("medusa", "hf_assisted", "hf_pld", "eagle")
 PEER_PINS = {  # what each peer's environment gets; medusa-llm 0.1 pins nothing itself (see README)
@@ -81,8 +99,6 @@ def fail(message: str) -> SystemExit:
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
     """Everything that can fail before a model loads or a venv is made; returns (peers, medusa choices)."""
-    from inference.cli import UsageError
-
     peers = [x for x in args.peers.split(",") if x]
     if not peers or any(x not in PEERS for x in peers) or len(set(peers)) != len(peers):
         raise fail(f"--peers {args.peers!r}: a comma list of distinct names from {', '.join(PEERS)}")
@@ -98,20 +114,14 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
         if len(choices) - 1 != heads:
             raise fail(f"--medusa-choices {choices}: one k per head after the leading 1; {args.heads} has {heads} heads")
     if "hf_assisted" in peers:
-        from inference.bench import is_draft_model
-
         if not is_draft_model(args.draft):
             raise fail(f"--draft {args.draft}: not a causal LM directory, builtin:<name>, early_exit:<model>:<N> or "
                        f"draft_model checkpoint")
         if args.draft_stop is not None:
-            from inference.draft_stop import check_stop_spec
-
             try:
                 check_stop_spec(args.draft_stop, False)
             except (UsageError, ValueError) as e:
                 raise fail(f"--draft-stop: {e}") from None
-    from inference.prompt_sets import is_set_spec, parse_sets
-
     if is_set_spec(args.prompts):
         try:
             parse_sets(args.prompts)
@@ -125,8 +135,6 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
 def medusa_choices(args: argparse.Namespace) -> list[int]:
     try:
         if args.tree:
-            from inference.tree import TreeError, read_tree_file
-
             try:
                 return cartesian_choices(read_tree_file(args.tree))
             except TreeError as e:
@@ -207,9 +215,6 @@ class PeerProcess:
 
 def start_medusa(args: argparse.Namespace, choices: list[int], record: dict[str, Any]) -> PeerProcess | None:
     """Export the heads to Medusa's layout next to the venv, start the driver, load the model there."""
-    from models.interop import export_medusa
-    from models.loading import resolve_model_path
-
     python = ensure_venv(Path(args.venv_dir), "medusa")
     work = Path(args.venv_dir) / "medusa-work" / Path(args.heads).resolve().name
     print(f"[medusa] exporting {args.heads} to {work / 'heads'} (medusa_lm_head.pt)", file=sys.stderr, flush=True)
@@ -231,11 +236,6 @@ def start_medusa(args: argparse.Namespace, choices: list[int], record: dict[str,
 # --- our side ----------------------------------------------------------------------------------------------------
 
 def our_versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    import torch
-    import transformers
-
     return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
             "draftsmith": version("draftsmith")}
 
@@ -269,29 +269,20 @@ def peer_turn(peer: PeerProcess, method: str) -> Callable[[list[int], int], Turn
 def build_ours(args: argparse.Namespace, peers: list[str], choices: list[int] | None, record: dict[str, Any]
                ) -> tuple[dict[str, Callable], Any]:
     """Our methods and the HF ones, on one target object; returns (runners, session)."""
-    from pathlib import Path as P
-
-    from inference.api import DRAFTER_BUILDERS, NAMED_DRAFTERS, DrafterOptions, Engine, _eos_ids, load
-    from inference.bench_methods import HFRunner, Sampling, assisted_settings, pld_defaults
-    from inference.cli import Session
-    from inference.drafters import NoDrafter
-    from inference.prompt_lookup import PromptLookupDrafter
-    from models.loading import load_tokenizer, model_settings
-
     settings = model_settings(args.base)
     engine = load(None, base=settings["path"], dtype=args.dtype)
     model, device = engine.model, engine.device
     tokenizer = load_tokenizer(settings["path"])
     session = Session(engine, tokenizer, settings["chat_template"], args.base, "none", None)
-    eos, pad = _eos_ids(model), tokenizer.pad_token_id
+    eos, pad = eos_token_ids(model), tokenizer.pad_token_id
     greedy = Sampling(0.0, 0, 1.0, "greedy")
     runners: dict[str, Callable] = {"ar": engine_turn(Engine(model, NoDrafter())), "hf": hf_turn(HFRunner(model, eos, pad, greedy))}
     if "medusa" in peers:
-        drafter = DRAFTER_BUILDERS["medusa"](P(args.heads), model, DrafterOptions(tree=cartesian_paths(choices)), device)
+        drafter = DRAFTER_BUILDERS["medusa"](Path(args.heads), model, DrafterOptions(tree=cartesian_paths(choices)), device)
         runners["ours_medusa"] = engine_turn(Engine(model, drafter))
         record["config"]["tree_nodes"] = drafter.tree.num_nodes if hasattr(drafter, "tree") else None
     if "hf_assisted" in peers:
-        drafter = DRAFTER_BUILDERS["draft_model"](P(args.draft), model, DrafterOptions(draft_stop=args.draft_stop), device)
+        drafter = DRAFTER_BUILDERS["draft_model"](Path(args.draft), model, DrafterOptions(draft_stop=args.draft_stop), device)
         runners["hf_assisted"] = hf_turn(HFRunner(model, eos, pad, greedy, {"assistant_model": drafter.model}))
         runners["ours_draft"] = engine_turn(Engine(model, drafter))
         record["config"]["hf_assisted"] = {"draft": args.draft, **assisted_settings(drafter.model)}
@@ -311,11 +302,6 @@ def order_methods(runners: dict[str, Callable]) -> dict[str, Callable]:
 
 def run(args: argparse.Namespace) -> int:
     peers, choices = check_args(args)
-    import torch
-
-    from inference.cli import encode_messages
-    from inference.prompt_sets import load_questions
-
     torch.set_num_threads(args.threads)
     questions, _ = load_questions(args.prompts)
     record: dict[str, Any] = {
@@ -377,8 +363,6 @@ def judge_divergences(record: dict[str, Any], model: Any) -> dict[str, list[dict
     """Each answer that differs from our plain greedy (ar), judged at its first differing token by the bench's rule
     (inference.greedy_ties: near-tie when float rounding of the run's dtype can explain it, else mismatch). The
     target is the same weights in every stack, so our float64 rerun rules on the peers' answers too."""
-    from inference.greedy_ties import Fp64Judge, TieVerdict, first_divergence
-
     judge = Fp64Judge(model)
     reference = record["methods"]["ar"]["turns"]
     found: dict[str, list[dict[str, Any]]] = {}
