@@ -1,7 +1,8 @@
 """Benchmark prompts: a question JSONL, or named public prompt sets read from the shared data folder.
 
 `--questions` takes either a file of MT-bench / Spec-Bench records {question_id, category, turns}, or a comma list
-of named sets with optional counts, `mt_bench,gsm8k:40,humaneval:40` (the first N records of each, in file order).
+of named sets with optional counts, `mt_bench,gsm8k:40,humaneval:40` (the first N records of each, in file order);
+`name:N:spread` takes N records evenly spaced over the file instead (`mt_bench:8:spread`: one of each category).
 The sets are read from $DRAFTSMITH_DATA, by default the `shared/data` folder next to the repository:
     mt_bench   mt_bench/question.jsonl         MT-bench's 80 two-turn questions, category from the file
     gsm8k      gsm8k/test.jsonl                the "question" field, one turn, category "gsm8k"
@@ -110,20 +111,40 @@ def data_root() -> Path:
     return Path(value) if value else DEFAULT_DATA
 
 
-def parse_sets(spec: str) -> list[tuple[str, int | None]]:
-    """"mt_bench,gsm8k:40" -> [("mt_bench", None), ("gsm8k", 40)]; unknown names and bad counts raise UsageError."""
-    sets: list[tuple[str, int | None]] = []
+@dataclass(frozen=True)
+class SetSpec:
+    name: str
+    count: int | None  # None: every record
+    spread: bool = False  # count records evenly spaced over the file, not the first ones
+
+
+def parse_sets(spec: str) -> list[SetSpec]:
+    """"mt_bench:8:spread,gsm8k:40" -> [SetSpec("mt_bench", 8, True), SetSpec("gsm8k", 40)]; unknown names, bad counts
+    and modifiers raise UsageError."""
+    sets: list[SetSpec] = []
     for item in spec.split(","):
-        name, colon, count = item.strip().partition(":")
+        name, colon, rest = item.strip().partition(":")
+        count, _, mode = rest.partition(":")
         if name not in PROMPT_SETS:
             raise UsageError(f"--questions {spec}: unknown prompt set {name!r} (known: {', '.join(PROMPT_SETS)}; "
                              f"or pass a question JSONL file)")
         if colon and not (count.isdigit() and int(count) >= 1):
             raise UsageError(f"--questions {spec}: {item!r}: the count after ':' must be a positive integer")
-        if name in (s for s, _ in sets):
+        if mode not in ("", "spread") or rest.endswith(":"):
+            raise UsageError(f"--questions {spec}: {item!r}: after the count only ':spread' may follow")
+        if name in (s.name for s in sets):
             raise UsageError(f"--questions {spec}: prompt set {name!r} is named twice")
-        sets.append((name, int(count) if colon else None))
+        sets.append(SetSpec(name, int(count) if colon else None, mode == "spread"))
     return sets
+
+
+def take(found: list[Question], count: int | None, spread: bool) -> list[Question]:
+    """The first `count` questions, or `count` evenly spaced ones (index floor(i * len / count))."""
+    if count is None:
+        return found
+    if not spread:
+        return found[:count]
+    return [found[i * len(found) // count] for i in range(count)]
 
 
 def is_set_spec(value: str) -> bool:
@@ -138,7 +159,8 @@ def load_questions(value: str) -> tuple[list[Question], dict[str, int] | None]:
     if not is_set_spec(value):
         return read_questions(value), None
     root, questions, taken = data_root(), [], {}
-    for name, count in parse_sets(value):
+    for spec in parse_sets(value):
+        name, count = spec.name, spec.count
         path = root / PROMPT_SETS[name][0]
         if not path.is_file():
             raise UsageError(f"--questions {name}: {path} not found (set {DATA_ENV} to the folder holding "
@@ -146,7 +168,7 @@ def load_questions(value: str) -> tuple[list[Question], dict[str, int] | None]:
         found = PROMPT_SETS[name][1](path)
         if count is not None and count > len(found):
             raise UsageError(f"--questions {name}:{count}: {path} has only {len(found)} questions")
-        chosen = found[:count]
+        chosen = take(found, count, spec.spread)
         questions.extend(chosen)
         taken[name] = len(chosen)
     return questions, taken

@@ -67,8 +67,21 @@ def test_prompt_sets_take_the_first_n_of_each(data_dir):
     assert none is None and file_questions == questions[:3]
 
 
+def test_spread_takes_evenly_spaced_questions(data_dir):
+    questions, taken = load_questions("mt_bench:2:spread,gsm8k:3:spread,humaneval:1")
+    assert [q.question_id for q in questions] == [81, 82, "gsm8k/0", "gsm8k/1", "gsm8k/2", "HumanEval/0"]
+    assert taken == {"mt_bench": 2, "gsm8k": 3, "humaneval": 1}
+    three = load_questions("mt_bench:3:spread")[0]
+    assert [q.category for q in three] == ["writing", "roleplay", "math"]
+    one = load_questions("gsm8k:1:spread")[0]
+    assert [q.question_id for q in one] == ["gsm8k/0"]
+
+
 @pytest.mark.parametrize("spec, needle", [
     ("mt_bnch,gsm8k", "unknown prompt set 'mt_bnch'"),
+    ("gsm8k:2:every", "'gsm8k:2:every': after the count only ':spread' may follow"),
+    ("gsm8k:2:", "'gsm8k:2:': after the count only ':spread' may follow"),
+    ("gsm8k::spread", "'gsm8k::spread': the count after ':' must be a positive integer"),
     ("gsm8k:0", "'gsm8k:0': the count after ':' must be a positive integer"),
     ("gsm8k:x", "'gsm8k:x': the count"),
     ("gsm8k,gsm8k:2", "'gsm8k' is named twice"),

@@ -1,0 +1,91 @@
+"""scripts/bench_suite.py (inference.bench_suite): several methods and shared baselines in one alternating run, one
+summary per method, one table; every plan error is one line before any model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from inference.bench_suite import main, read_plan
+from inference.cli import UsageError
+from tests.test_bench import data_dir, models  # noqa: F401  (fixtures: prompt sets, tiny target + draft)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def write_plan(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_suite_runs_every_method_against_shared_baselines(models, data_dir, tmp_path, capsys):
+    plan = write_plan(tmp_path, f"""
+common: --base {models['target']} --dtype fp32 --max-new-tokens 8 --warmup 0 --questions gsm8k:2,humaneval:1
+baselines: {{run: [ar, hf, hf_pld]}}
+methods:
+  pld: {{args: --drafter prompt_lookup, versus: [ar, hf, hf_pld]}}
+  draft: {{args: --drafter {models['draft']}, own_ar: true, categories: [gsm8k]}}
+""")
+    out = tmp_path / "out"
+    assert main([str(plan), "--out", str(out)]) == 0
+    printed, err = capsys.readouterr()
+    suite = json.loads((out / "suite.json").read_text())
+    assert suite["num_questions"] == 3 and list(suite["methods"]) == ["pld", "draft"]
+    pld, draft = suite["methods"]["pld"], suite["methods"]["draft"]
+    assert set(pld["speedup_vs"]) == {"ar", "hf", "hf_pld"} and pld["config"]["num_questions"] == 3
+    # own_ar: the method's own loop is its ar (greedy reference); the category filter keeps the gsm8k questions
+    assert draft["config"]["ar_is_own_loop"] and draft["config"]["num_questions"] == 2
+    assert set(draft["categories"]) == {"gsm8k"} and set(draft["speedup_vs"]) == {"ar", "hf"}
+    for s in (pld, draft):  # lossless: every greedy answer equals the plain loop's
+        assert s["greedy_check"]["identical"] is True and s["greedy_check"]["lossless"] is True
+        assert s["tau"] >= 1.0 and s["bandwidth"]["floor_ms"] > 0
+    assert set(suite["baselines"]["methods"]) == {"ar", "hf", "hf_pld"}
+    answers = [json.loads(line) for line in (out / "draft" / "draft.ar.jsonl").read_text().splitlines()]
+    assert [a["question_id"] for a in answers] == ["gsm8k/0", "gsm8k/1"]
+    table = (out / "table.md").read_text()
+    assert table.splitlines()[0].startswith("| method | questions | tok/s | τ | × ar | × hf | × hf_pld")
+    assert "| pld | 3 |" in table and "| draft | 2 |" in table and "3 same / 0 near-tie / 0 mismatch" in table
+    # 3 baselines x 3 questions + pld x 3 + draft and its own loop x 2 gsm8k questions, one progress count
+    assert table.strip() in printed and "bench-suite: 16/16 answers" in err
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("methods: {a: {args: --drafter prompt_lookup, colour: red}}", "methods.a.colour: unknown key"),
+    ("methods: {}", "methods: expected a mapping"),
+    ("common: --base x\nextra: 1\nmethods: {a: --drafter prompt_lookup}", "unknown key 'extra'"),
+    ("baselines: {run: [ar, hf_fast]}\nmethods: {a: --drafter prompt_lookup}", "baselines.run: distinct names"),
+    ("methods: {a: {args: --drafter prompt_lookup, versus: [hf_pld]}}", "methods.a.versus: 'hf_pld' is not in"),
+    ("methods: {ar: --drafter prompt_lookup}", "methods.ar: the name is a baseline's"),
+    ("methods: {a: {args: --drafter prompt_lookup, own_ar: maybe}}", "methods.a.own_ar: expected true or false"),
+    ("methods: [a, b", ":1: not valid YAML"),
+])
+def test_plan_errors_name_the_file_and_key(tmp_path, text, needle):
+    with pytest.raises(UsageError, match=None) as e:
+        read_plan(write_plan(tmp_path, text))
+    assert str(e.value).startswith(str(tmp_path / "plan.yaml")) and needle in str(e.value)
+
+
+@pytest.mark.parametrize("methods, needle", [
+    ("a: --drafter prompt_lookup --colour red", "methods.a: '--colour' is not an option"),
+    ("a: --tree chain", "methods.a: needs --drafter"),
+    ("a: --drafter {tmp}/no-such-checkpoint", "--drafter {tmp}/no-such-checkpoint: not found"),
+    ("a: {{args: --drafter prompt_lookup, categories: [writing]}}", "methods.a.categories ['writing']: no such"),
+    ("a: --drafter prompt_lookup\nb: --drafter prompt_lookup --temperature -1", "methods.b: --temperature"),
+])
+def test_bad_plans_fail_in_one_line_before_any_model_loads(data_dir, tmp_path, capsys, methods, needle):
+    """The base names no model: reaching a model load would fail with another message."""
+    plan = write_plan(tmp_path, f"common: --base {tmp_path}/no-model --questions gsm8k:2\nmethods:\n  "
+                      + methods.format(tmp=tmp_path).replace("\n", "\n  ") + "\n")
+    assert main([str(plan), "--out", str(tmp_path / "out")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and needle.format(tmp=tmp_path) in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_picks_methods_and_names_unknown_ones(data_dir, tmp_path, capsys):
+    plan = write_plan(tmp_path, "methods: {a: --drafter prompt_lookup}")
+    assert main([str(plan), "--only", "b", "--out", str(tmp_path / "out")]) == 2
+    assert "--only b: not a method of" in capsys.readouterr().err
