@@ -33,14 +33,18 @@ from typing import Any, Sequence
 
 import yaml
 
+from inference.api import Engine
 from inference.bandwidth import copy_bandwidth, weight_bytes
 from inference.bench import (answer, answer_record, check_bench_args, hf_options, progress_bar, run_config,
                              write_atomic)
 from inference.bench_methods import BASELINES, EngineRunner, Runner, Sampling, build_runners
 from inference.benchstats import Answer, bandwidth_floor, format_table, summarize
-from inference.cli import UsageError, build_parser, encode_messages, one_line, open_session
+from data.errors import UsageError
+from inference.cli import build_parser, one_line
+from inference.drafters import NoDrafter
 from inference.greedy_ties import Fp64Judge
 from inference.prompt_sets import Question, load_questions
+from inference.session import encode_messages, open_session
 
 METHOD_KEYS = {"args", "own_ar", "categories", "versus"}
 PLAN_KEYS = {"common", "baselines", "methods"}
@@ -198,9 +202,6 @@ def check_plan(plan: Plan) -> tuple[argparse.Namespace, dict[str, argparse.Names
 
 
 def load_all(plan: Plan, base_args: argparse.Namespace, method_args: dict[str, argparse.Namespace]) -> Loaded:
-    from inference.api import Engine
-    from inference.drafters import NoDrafter
-
     print(f"loading the baselines' target ({base_args.base})", file=sys.stderr, flush=True)
     base = open_session(base_args)
     loaded = Loaded(base, base_args)

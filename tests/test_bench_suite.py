@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from inference.bench_suite import main, read_plan
-from inference.cli import UsageError
+from data.errors import UsageError
 from tests.test_bench import data_dir, models  # noqa: F401  (fixtures: prompt sets, tiny target + draft)
 
 pytestmark = pytest.mark.usefixtures("single_thread")

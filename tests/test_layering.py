@@ -29,7 +29,7 @@ TOOL_LAYER = 4
 # Entry points inside the packages: they sit above every package (see the module docstring).
 TOOLS = frozenset({
     "inference.__main__", "inference.cli", "inference.session", "inference.bench", "inference.tree_builder",
-    "inference.engine_check",
+    "inference.engine_check", "inference.bench_suite",
     "train.__main__", "train.cli",
 })
 DEFERRED = "# deferred:"
