@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -196,7 +197,11 @@ class DraftTrainer(Trainer):
         model = self.method_model
         was_training = model.training
         model.eval()
+        start = time.monotonic()
+        log.info("evaluation: %d validation batches, %d greedy prompts (phases follow)", len(dataloader),
+                 len(self.prompts or []))
         metrics = self.method.evaluate(model, dataloader, self.processing_class, self.prompts)
+        log.info("evaluation: done in %.0f s", time.monotonic() - start)
         model.train(was_training)
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.log(metrics)

@@ -8,6 +8,7 @@ Dimension letters: B batch, T time, K heads, N selected positions, D hidden, V v
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -24,6 +25,8 @@ from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
 from train.base import StepOutput
 from train.distributed import gathered
+
+log = logging.getLogger("draftsmith")
 
 TOPK = (1, 5)
 
@@ -169,6 +172,7 @@ class Method:
             self._score(model, batch["input_ids"], batch["attention_mask"], batch["labels"], counter, "")
         metrics = counter.result()
         if prompts:
+            log.info("evaluation: heads on the target's greedy continuations of %d prompts", len(prompts))
             greedy = AccuracyCounter()
             for input_ids, attention_mask, labels in greedy_continuations(
                 model.target, prompts, self.cfg.eval.greedy_new_tokens, tokenizer, self.cfg.training.per_device_eval_batch_size

@@ -223,7 +223,9 @@ class Method(medusa1.Method, TrainerCallback):
         with eval_mode(model):  # keeps a 4-bit backbone trainable for the steps after a mid-training evaluation
             metrics = super().evaluate(model, batches, tokenizer, prompts)
             if self.reference is None:
+                log.info("quality guard: the original model's perplexity and greedy answers (once)")
                 self.reference = self.original_reference(model, batches, tokenizer, prompts)
+            log.info("quality guard: the fine-tuned backbone against them")
             metrics.update(guard_report(model.target, self.reference, batches, self.cfg.eval.max_batches).metrics())
         if degraded(metrics, self.m.guard_max_ppl_increase, prefix=""):
             log.warning(warning_line(metrics, self.m.guard_max_ppl_increase, prefix=""))
