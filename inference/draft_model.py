@@ -12,8 +12,10 @@ with acceptance: committed tokens the draft model has not yet read are "pending"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -281,15 +283,38 @@ def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, di
 
 def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.device) -> nn.Module:
     """The causal LM of a draft_model checkpoint or a plain causal LM (a directory, "builtin:<name>" or
-    "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's."""
+    "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's. The
+    tensors a checkpoint shares with its target (models.checkpoint.shared_spec) become the target's own."""
+    from models.checkpoint import attach_shared, shared_spec
     from models.loading import load_target
 
-    source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
+    plain = is_plain_model(path)
+    source = str(path) if plain else str(draft_model_folder(path))
+    shared = {} if plain else shared_spec(path)
     dtype = target.get_input_embeddings().weight.dtype
     name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
-    draft = load_target(source, dtype=name).to(device)
+    with quiet_missing_weights(bool(shared)):  # the shared tensors are missing from the files on purpose
+        draft = load_target(source, dtype=name).to(device)
+    if plain and getattr(draft.config, "draftsmith_shared_with_target", None):
+        raise DrafterMismatchError(f"{path}: this draft model stores no {', '.join(draft.config.draftsmith_shared_with_target)}"
+                                   f" (its target's): load the checkpoint folder above it, not its draft/ folder")
+    attach_shared(draft, target, shared, str(path))
     check_vocab(draft, target)
     return draft
+
+
+@contextlib.contextmanager
+def quiet_missing_weights(quiet: bool) -> Iterator[None]:
+    """transformers' "newly initialized" warning silenced while loading a draft whose shared tensors come later."""
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    if quiet:
+        logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
 
 
 def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,
