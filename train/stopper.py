@@ -133,7 +133,7 @@ class Method:
 
     def run(self, cfg: DictConfig) -> dict[str, float]:
         from inference.api import Engine
-        from inference.draft_model import DraftModelDrafter, check_vocab, check_vocab_files
+        from inference.draft_model import DraftModelDrafter, check_vocab, check_vocab_files, quiet_missing_weights
         from inference.draft_stop import StopTrace
         from models.checkpoint import attach_shared, save_draft_model
         from models.loading import load_target, load_tokenizer
@@ -146,8 +146,10 @@ class Method:
         kwargs = dict(attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         target = load_target(cfg.model.path, dtype=cfg.model.dtype, quantization=cfg.model.quantization,
                              double_quant=cfg.model.double_quant, revision=cfg.model.revision, **kwargs)
-        draft = load_target(resolve_draft(m.draft), dtype=cfg.model.dtype, **kwargs).to(target.device)
-        attach_shared(draft, target, draft_shared(m.draft), f"method.draft={m.draft}")
+        shared = draft_shared(m.draft)
+        with quiet_missing_weights(bool(shared)):  # left out of the files on purpose: attached below
+            draft = load_target(resolve_draft(m.draft), dtype=cfg.model.dtype, **kwargs).to(target.device)
+        attach_shared(draft, target, shared, f"method.draft={m.draft}")
         check_vocab(draft, target)
         prompts = train_prompts(cfg, tokenizer)
         n_val = max(1, round(len(prompts) * m.validation_fraction))
