@@ -12,8 +12,10 @@ with acceptance: committed tokens the draft model has not yet read are "pending"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,15 @@ from inference.draft_stop import DraftStop, StopTrace, parse_stop
 from inference.drafters import DecodeState, Draft
 from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.verify import VerifyResult, sample, target_probs
-from models.checkpoint import CONFIG_NAME, DrafterMismatchError, draft_model_folder, read_drafter_config
+from models.checkpoint import (CONFIG_NAME, DrafterMismatchError, attach_shared, draft_model_folder, read_drafter_config,
+                               shared_spec)
 from models.loading import DTYPES, MODEL_PREFIXES, TOKENIZER_FILES, load_target, model_config, resolve_model_path
 from models.stopper import StopperModel, load_stopper, stop_features
 
 DEFAULT_GAMMA = 4
 MAX_GAMMA = 32
 MAX_BRANCHES = 64
+FULL_LOGITS_MAX_BLOCK = 8  # draft blocks up to this long compute all their logits (see DraftModelDrafter._forward)
 
 
 @dataclass(eq=False)
@@ -219,10 +223,14 @@ class DraftModelDrafter:
             new = (causal[None] & new_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=ids.device)[None]
             visible = torch.cat([run.valid[:, None, :].expand(b, q, -1), new], dim=-1)  # [B, Q, S + Q]
             mask = additive(visible[:, None], self.model.get_input_embeddings().weight.dtype)
+        # A short block keeps every position's logits: HF's logits_to_keep slices the hidden states to a view whose
+        # batch stride is not the dense one, and torch's CPU bf16 linear then leaves its fast kernel (a 1-row
+        # lm_head took ~30x longer: 450-500 ms instead of 15 ms for 49,152 x 576 on this machine).
+        whole = q <= FULL_LOGITS_MAX_BLOCK
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.expand(b, q), cache=run.cache,
-                         use_cache=True, logits_to_keep=keep)
+                         use_cache=True, logits_to_keep=0 if whole else keep)
         run.valid = torch.cat([run.valid, new_valid], dim=1)
-        return out.logits
+        return out.logits[:, -keep:] if whole else out.logits
 
 
 def is_plain_model(path: str | os.PathLike) -> bool:
@@ -279,13 +287,35 @@ def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, di
 
 def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.device) -> nn.Module:
     """The causal LM of a draft_model checkpoint or a plain causal LM (a directory, "builtin:<name>" or
-    "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's."""
-    source = str(path) if is_plain_model(path) else str(draft_model_folder(path))
+    "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's. The
+    tensors a checkpoint shares with its target (models.checkpoint.shared_spec) become the target's own."""
+    plain = is_plain_model(path)
+    source = str(path) if plain else str(draft_model_folder(path))
+    shared = {} if plain else shared_spec(path)
     dtype = target.get_input_embeddings().weight.dtype
     name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
-    draft = load_target(source, dtype=name).to(device)
+    with quiet_missing_weights(bool(shared)):  # the shared tensors are missing from the files on purpose
+        draft = load_target(source, dtype=name).to(device)
+    if plain and getattr(draft.config, "draftsmith_shared_with_target", None):
+        raise DrafterMismatchError(f"{path}: this draft model stores no {', '.join(draft.config.draftsmith_shared_with_target)}"
+                                   f" (its target's): load the checkpoint folder above it, not its draft/ folder")
+    attach_shared(draft, target, shared, str(path))
     check_vocab(draft, target)
     return draft
+
+
+@contextlib.contextmanager
+def quiet_missing_weights(quiet: bool) -> Iterator[None]:
+    """transformers' "newly initialized" warning silenced while loading a draft whose shared tensors come later."""
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    if quiet:
+        logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
 
 
 def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,

@@ -8,7 +8,10 @@ A drafter checkpoint is a directory:
     tokenizer files        when a tokenizer was given
     README.md              model card (base model, method, data, steps, metrics, command)
     draft/                 drafter_type "draft_model": the draft causal LM (`save_pretrained`), config.json
-                           "draft_model": {"path": "draft"}; written by `save_draft_model`
+                           "draft_model": {"path": "draft"}; written by `save_draft_model`. Tensors the draft shares
+                           with its target (an early-exit draft's frozen embeddings and lm_head) are left out and
+                           listed in "draft_model": {"shared_with_target": {name: fingerprint}}; loading takes the
+                           target's own (`attach_shared`), so neither the file nor the served draft holds a copy
     adapter/ | backbone/   optional fine-tuned backbone (Medusa-2), named by config.json "backbone":
                            {"format": "lora_adapter", "path": "adapter"}  a peft LoRA adapter for the base model, or
                            {"format": "merged", "path": "backbone"}       a full `save_pretrained` model + tokenizer.
@@ -318,14 +321,18 @@ def save_draft_model(
     extra: dict[str, Any] | None = None,
     stopper: Any = None,
     stopper_config: dict[str, Any] | None = None,
+    target: Any = None,
 ) -> Path:
     """Write a draft causal LM (a `PreTrainedModel`) as a drafter_type "draft_model" checkpoint, atomically: the
     model and tokenizer in `draft/`, the tokenizer also at the top level, and optionally its draft-length decision
-    model (a models.stopper.StopperModel with its `stopper_entry` config). Refuses non-finite weights."""
+    model (a models.stopper.StopperModel with its `stopper_entry` config). Refuses non-finite weights. Given the
+    `target`, the draft's embedding / lm_head tensors equal to the target's are not written (`shared_with_target`)."""
     output_dir = Path(output_dir)
-    bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    state = model.state_dict()
+    bad = [n for n, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise CheckpointError(f"{output_dir}: refusing to save non-finite weights ({', '.join(bad[:3])})")
+    shared = shared_with_target(model, target) if target is not None else {}
     config = {
         "drafter_type": "draft_model",
         "base_model_name_or_path": base_model_name_or_path,
@@ -333,13 +340,23 @@ def save_draft_model(
         "draft_model": {"path": DRAFT_MODEL_DIR, "model_type": model.config.model_type},
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
     }
+    if shared:
+        config["draft_model"][SHARED_KEY] = shared
     if extra:
         config["training"] = extra
     if stopper is not None:
         config["stopper"] = stopper_config
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
+        if shared:  # marked in draft/config.json too, so loading the bare folder fails instead of drafting garbage
+            model.config.draftsmith_shared_with_target = sorted(shared)
+            try:
+                model.save_pretrained(str(tmp / DRAFT_MODEL_DIR),
+                                      state_dict={k: v for k, v in state.items() if k not in shared})
+            finally:
+                del model.config.draftsmith_shared_with_target
+        else:
+            model.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
         if stopper is not None:
             save_stopper(tmp, stopper)
         if tokenizer is not None:
@@ -350,6 +367,69 @@ def save_draft_model(
 
     atomic_write_dir(output_dir, write)
     return output_dir
+
+
+SHARED_KEY = "shared_with_target"
+SHARED_TOLERANCE = 1e-3  # relative: a bf16 / fp32 copy of the same tensor passes, another model's does not
+
+
+def fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
+    """Shape, sum and sum of |x| in float64: identifies a tensor across dtypes (bf16 rounding moves the sums by far
+    less than SHARED_TOLERANCE), cheaply."""
+    t = tensor.detach().double()
+    return {"shape": list(tensor.shape), "sum": float(t.sum()), "abs_sum": float(t.abs().sum())}
+
+
+def fingerprint_matches(tensor: torch.Tensor, expected: dict[str, Any]) -> bool:
+    got = fingerprint(tensor)
+    scale = max(abs(expected["abs_sum"]), 1e-12)
+    return (got["shape"] == list(expected["shape"]) and abs(got["abs_sum"] - expected["abs_sum"]) <= SHARED_TOLERANCE * scale
+            and abs(got["sum"] - expected["sum"]) <= SHARED_TOLERANCE * scale)
+
+
+def embedding_names(model: Any) -> list[str]:
+    """State-dict names of the model's input embeddings and lm_head weights (both names when they are tied)."""
+    wanted = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return [n for n, p in model.named_parameters(remove_duplicate=False) if any(p is w for w in wanted)]
+
+
+def shared_with_target(draft: Any, target: Any) -> dict[str, dict[str, Any]]:
+    """name -> fingerprint of the draft's embedding / lm_head tensors that equal the target's same-named ones (the
+    draft's values rounded to the target's dtype): what a checkpoint need not store. Empty for a draft of its own."""
+    theirs = dict(target.named_parameters(remove_duplicate=False))
+    mine = dict(draft.named_parameters(remove_duplicate=False))
+    shared = {}
+    for name in embedding_names(draft):
+        other = theirs.get(name)
+        if other is None or other.shape != mine[name].shape:
+            continue
+        with torch.no_grad():
+            if torch.equal(mine[name].detach().to(other.device, other.dtype), other.detach()):
+                shared[name] = fingerprint(mine[name])
+    return shared
+
+
+def shared_spec(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The `shared_with_target` entry of a draft_model checkpoint ({} when it stores every tensor itself)."""
+    spec = read_drafter_config(Path(path)).get("draft_model")
+    shared = spec.get(SHARED_KEY, {}) if isinstance(spec, dict) else {}
+    if not isinstance(shared, dict):
+        raise CheckpointError(f"{Path(path) / CONFIG_NAME}: draft_model.{SHARED_KEY} must map names to fingerprints")
+    return shared
+
+
+def attach_shared(draft: Any, target: Any, shared: dict[str, dict[str, Any]], where: str) -> None:
+    """Make the draft's `shared` tensors the target's own parameters (the same storage: no copy), after checking each
+    against its fingerprint; DrafterMismatchError naming `where` when the target lacks one or holds other values.
+    The draft must already be in the target's dtype and on its device."""
+    theirs = dict(target.named_parameters(remove_duplicate=False))
+    for name, expected in shared.items():
+        param = theirs.get(name)
+        if param is None or not fingerprint_matches(param, expected):
+            why = "has no such tensor" if param is None else "holds other values (another model?)"
+            raise DrafterMismatchError(f"{where}: the draft takes {name} from its target, whose {name} {why}")
+        module, _, leaf = name.rpartition(".")
+        setattr(draft.get_submodule(module), leaf, param)
 
 
 def draft_model_folder(path: str | os.PathLike) -> Path:

@@ -27,11 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.chat import encode_prompt  # noqa: E402
-from inference.draft_model import DraftModelDrafter, check_vocab, checkpoint_stopper, draft_shape, is_plain_model  # noqa: E402
+from inference.draft_model import DraftModelDrafter, checkpoint_stopper, draft_shape, load_draft_model  # noqa: E402
 from inference.draft_stop import parse_stop  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from inference.api import Engine  # noqa: E402
-from models.checkpoint import draft_model_folder  # noqa: E402
 from models.loading import BUILTIN_PREFIX, load_target, load_tokenizer  # noqa: E402
 from models.tiny import is_built  # noqa: E402
 
@@ -99,10 +98,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     require_built(args.target)
     require_built(args.draft)
-    draft_path = args.draft if is_plain_model(args.draft) else str(draft_model_folder(args.draft))
     tokenizer = load_tokenizer(args.target)
-    target, draft = load_target(args.target, dtype=args.dtype), load_target(draft_path, dtype=args.dtype)
-    check_vocab(draft, target)
+    target = load_target(args.target, dtype=args.dtype)
+    draft = load_draft_model(args.draft, target, target.device)  # vocabulary checked, shared tensors attached
     stopper, entry = checkpoint_stopper(args.draft)
     threshold = entry.get("threshold")
     engines = {"engine greedy": Engine(target, NoDrafter())}

@@ -15,6 +15,12 @@ cached token of the real early-exit model). Estimated speedup over plain greedy,
 per-step work left out, so `bench` measures somewhat less): (T − 1)·t_ar / (steps·(t_verify + γ·t_draft)).
 
     python scripts/early_exit_acceptance.py --model smollm2 --layers 4 8 12 --gamma 1 2 4 --limit 5 --max-new-tokens 64
+
+`--draft DIR ...` adds trained draft models (a `distill` / `stopper` checkpoint, or any plain draft model): their
+verdicts come from one forward of the draft itself over prompt + answer (argmax at each answer position), which is
+again exactly what greedy chain drafting accepts while the draft reads the target's own prefix.
+
+    python scripts/early_exit_acceptance.py --model smollm2 --layers 6 --draft outputs/distill/smollm2-ee6 --dtype bf16
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.chat import encode_prompt  # noqa: E402
 from inference.api import Engine  # noqa: E402
 from inference.prompt_sets import DEFAULT_QUESTIONS, read_questions  # noqa: E402
+from inference.draft_model import load_draft_model  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
 
@@ -66,6 +73,16 @@ def exit_matches(target, prompt: list[int], answer: list[int], layers: list[int]
 
 
 @torch.no_grad()
+@torch.no_grad()
+def draft_matches(draft, prompt: list[int], answer: list[int]) -> list[bool]:
+    """Does the draft model's argmax at the position before new token p equal it (p >= 1), reading the target's
+    own prefix (teacher forcing)."""
+    logits = draft(input_ids=torch.tensor([prompt + answer]), use_cache=False).logits[0]  # [T, V]
+    guess = logits[len(prompt): len(prompt) + len(answer) - 1].argmax(-1)  # [T_answer - 1]
+    return (guess == torch.tensor(answer[1:])).tolist()
+
+
+@torch.no_grad()
 def cached_cost(model, context: list[int], width: int, repeats: int) -> float:
     """Median CPU seconds of one forward of `width` new tokens after `context` (its KV cache, cropped back after
     each timed forward)."""
@@ -87,7 +104,9 @@ def cached_cost(model, context: list[int], width: int, repeats: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="target: conf/model name, builtin:<name>, directory or hub id")
-    p.add_argument("--layers", type=int, nargs="+", default=[4, 8, 12], help="exit layers N")
+    p.add_argument("--layers", type=int, nargs="*", default=[4, 8, 12], help="exit layers N (untrained early exits)")
+    p.add_argument("--draft", nargs="*", default=[], help="trained draft models: distill/stopper checkpoints or dirs")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 (default: the model config's dtype, else fp32)")
     p.add_argument("--gamma", type=int, nargs="+", default=[4], help="draft lengths (chain)")
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="MT-bench style question.jsonl")
     p.add_argument("--limit", type=int, default=5)
@@ -97,24 +116,28 @@ def main() -> None:
     torch.set_num_threads(1)
     settings = model_settings(args.model)
     tokenizer = load_tokenizer(settings["path"], settings["chat_template"])
-    target = load_target(settings["path"], dtype=settings["dtype"] or "fp32")
+    dtype = args.dtype or settings["dtype"] or "fp32"
+    target = load_target(settings["path"], dtype=dtype)
+    drafts = {d: load_draft_model(d, target, torch.device("cpu")) for d in args.draft}  # vocabulary checked
     engine = Engine(target, NoDrafter())
-    matches: dict[int, list[list[bool]]] = {n: [] for n in args.layers}
+    matches: dict[int | str, list[list[bool]]] = {n: [] for n in [*args.layers, *args.draft]}
     new_tokens, costs = 0, None
     for q in read_questions(args.questions)[: args.limit]:
         prompt = encode_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}], settings["chat_template"])
         answer = engine.generate(prompt, max_new_tokens=args.max_new_tokens).sequences[0]
         new_tokens += len(answer)
         if costs is None:  # after the first answer (a realistic context length), before the slow part
-            costs = measure_costs(target, prompt + answer, args, settings["dtype"] or "fp32")
+            costs = measure_costs(target, prompt + answer, args, dtype, drafts)
         for n, m in exit_matches(target, prompt, answer, args.layers).items():
             matches[n].append(m)
-    print(f"{args.model}: {args.limit} prompts, {new_tokens} new tokens (greedy)")
+        for d, model in drafts.items():
+            matches[d].append(draft_matches(model, prompt, answer))
+    print(f"{args.model} ({dtype}): {args.limit} prompts, {new_tokens} new tokens (greedy)")
     print(f"{'exit layer':>10} {'agreement':>10} " + " ".join(f"{f'tau g={g}':>9} {f'est. g={g}':>10}"
                                                             for g in args.gamma))
-    for n in args.layers:
+    for n in [*args.layers, *args.draft]:
         agreement = sum(map(sum, matches[n])) / max(sum(map(len, matches[n])), 1)
-        row = f"{n:>10} {agreement:10.3f} "
+        row = f"{n:>10} {agreement:10.3f} " if isinstance(n, int) else f"{n}\n{'':>10} {agreement:10.3f} "
         for g in args.gamma:
             runs = [chain_tau(m, g) for m in matches[n]]
             forwards, steps = sum(r[0] for r in runs), sum(r[1] for r in runs)
@@ -130,17 +153,19 @@ class Costs:
 
     ar: float
     verify: dict[int, float]
-    draft: dict[int, float]
+    draft: dict[int | str, float]  # exit layer N or trained draft path -> CPU seconds
 
 
-def measure_costs(target, context: list[int], args: argparse.Namespace, dtype: str) -> Costs:
+def measure_costs(target, context: list[int], args: argparse.Namespace, dtype: str, drafts: dict[str, object]
+                  ) -> Costs:
+    exits = {n: load_target(f"early_exit:{args.model}:{n}", dtype=dtype) for n in args.layers}
     costs = Costs(cached_cost(target, context, 1, args.repeats),
                   {g: cached_cost(target, context, g + 1, args.repeats) for g in args.gamma},
-                  {n: cached_cost(load_target(f"early_exit:{args.model}:{n}", dtype=dtype), context, 1, args.repeats)
-                   for n in args.layers})
+                  {n: cached_cost(model, context, 1, args.repeats) for n, model in {**exits, **drafts}.items()})
     print(f"CPU ms per cached forward after {len(context)} tokens, one thread: target 1 token {costs.ar * 1e3:.1f}, "
           + ", ".join(f"{g + 1} tokens {t * 1e3:.1f}" for g, t in costs.verify.items()) + "; early exit "
-          + ", ".join(f"N={n} {t * 1e3:.1f}" for n, t in costs.draft.items()), flush=True)
+          + ", ".join(f"{f'N={n}' if isinstance(n, int) else n} {t * 1e3:.1f}" for n, t in costs.draft.items()),
+          flush=True)
     return costs
 
 if __name__ == "__main__":

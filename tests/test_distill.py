@@ -160,3 +160,77 @@ def test_draft_from_a_model_config_name():
 
     assert draft_path("tiny-draft") == "builtin:tiny-draft"  # conf/model/tiny-draft.yaml
     assert draft_path("/some/dir") == "/some/dir" and draft_path("org/model") == "org/model"
+
+
+def test_response_logits_equal_the_full_forwards_response_positions():
+    """The lm_head applied to the response positions only gives the full forward's logits there (left padding
+    included)."""
+    from train.distill import plain_readout, response_logits
+
+    model = build_tiny_lm("llama", seed=3)
+    assert plain_readout(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [5, 6, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[0, 5:], labels[1, 3:6] = ids[0, 5:], ids[1, 3:6]
+    from models.backbone import padded_position_ids
+
+    full = model(input_ids=ids, attention_mask=mask, position_ids=padded_position_ids(mask)).logits  # [B, T, V]
+    expected = torch.cat([full[0, 4:6], full[1, 2:5]])  # positions t predicting labelled t + 1
+    got = response_logits(model, ids, mask, labels)
+    assert got.shape == expected.shape == (5, model.config.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_early_exit_draft_shares_the_targets_embeddings(sharegpt_file, tmp_path, monkeypatch):
+    """method.freeze_embeddings=true on an early-exit draft: the embeddings/lm_head stay the target's, the checkpoint
+    leaves them out (shared_with_target), serving takes the target's own tensor, the result decodes exactly like the
+    target, the bare draft/ folder is refused, and a resumed run finds its checkpoint loadable."""
+    from safetensors import safe_open
+
+    from inference.api import load
+    from inference.draft_model import DraftModelDrafter, load_draft_model
+    from models.checkpoint import DrafterMismatchError
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    target = save_tiny_model(tmp_path / "target", seed=0, layers=3, tied=True, initializer_range=0.2)
+    out = tmp_path / "run"
+    args = (f"method.draft=early_exit:{target}:1", "method.freeze_embeddings=true", "training.save_steps=2")
+    result = run_distill(target, target, sharegpt_file, out, *args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    config = json.loads((out / "config.json").read_text())
+    shared = config["draft_model"]["shared_with_target"]
+    assert "model.embed_tokens.weight" in shared
+    metrics = config["training"]["metrics"]
+    assert metrics["eval_alpha"] != metrics["eval_initial_alpha"]  # the decoder layer trained
+    with safe_open(str(out / "draft" / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert stored and not stored & set(shared) and "lm_head.weight" not in stored
+
+    engine = load(out, dtype="fp32")
+    assert isinstance(engine.drafter, DraftModelDrafter)
+    assert engine.drafter.model.get_input_embeddings().weight is engine.model.get_input_embeddings().weight
+    plain = load(base=str(target), dtype="fp32")
+    prompt = [5, 6, 7, 8]
+    assert engine.generate(prompt, 10, ignore_eos=True).sequences == plain.generate(prompt, 10, ignore_eos=True).sequences
+    with pytest.raises(DrafterMismatchError, match="load the checkpoint folder above it"):
+        load_draft_model(out / "draft", engine.model, torch.device("cpu"))
+
+    resumed = run_distill(target, target, sharegpt_file, out, *args, "training.max_steps=4",
+                          "training.resume_from_checkpoint=auto")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    assert json.loads((out / "config.json").read_text())["training"]["global_step"] == 4
+
+
+def test_shared_tensor_of_another_model_is_refused(tmp_path):
+    """A checkpoint that takes its embeddings from its target refuses a target whose embeddings differ."""
+    from models.checkpoint import DrafterMismatchError, attach_shared, shared_with_target
+
+    target, other = build_tiny_lm("llama", seed=0), build_tiny_lm("llama", seed=1)
+    draft = build_tiny_lm("llama", seed=2)
+    draft.get_input_embeddings().weight = target.get_input_embeddings().weight
+    shared = shared_with_target(draft, target)
+    assert list(shared) == ["model.embed_tokens.weight"]  # its own lm_head is stored
+    attach_shared(draft, target.to(torch.bfloat16).float(), shared, "ckpt")  # a bf16 round trip still matches
+    with pytest.raises(DrafterMismatchError, match="ckpt: the draft takes model.embed_tokens.weight"):
+        attach_shared(draft, other, shared, "ckpt")

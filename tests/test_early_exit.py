@@ -274,3 +274,14 @@ def test_chain_tau_by_hand():
     assert script.chain_tau(matches, 4) == (3, 2)  # accept 1,2 + bonus 3; accept 4..7 (run capped at 4) -> done
     assert script.chain_tau(matches, 1) == (5, 4)  # 1+bonus 2 | 3 rejected, bonus 3 | 4+5 | 6+7
     assert script.chain_tau([False] * 7, 3) == (8, 7)  # nothing accepted: one token per forward
+
+
+def test_acceptance_script_scores_a_draft_model_like_its_exit_layer(sources):
+    """--draft: the draft model's own teacher-forced verdicts; for the untrained early-exit draft they are the exit
+    layer's."""
+    script = load_script("early_exit_acceptance")
+    target = load_lm(sources["llama"])
+    draft = load_lm(ensure_early_exit(f"early_exit:{sources['llama']}:2", progress=False))
+    prompt = [5, 6, 7]
+    answer = plain_greedy(target, prompt, 16)
+    assert script.draft_matches(draft, prompt, answer) == script.exit_matches(target, prompt, answer, [2])[2]

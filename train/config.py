@@ -154,6 +154,8 @@ class DistillConfig:
     max_new_tokens: int = 64  # length of on-policy samples
     sample_temperature: float = 1.0  # temperature of on-policy sampling
     eval_initial: bool = True  # also evaluate the untrained draft (α before/after in one table)
+    # keep the draft's embeddings and lm_head fixed (an early-exit draft: the target's own, shared)
+    freeze_embeddings: bool = False
 
 
 @dataclass

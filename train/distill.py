@@ -21,13 +21,14 @@ from typing import Any, Iterable
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
-from inference.draft_model import check_vocab, check_vocab_files
+from inference.draft_model import check_vocab, check_vocab_files, quiet_missing_weights
 from models.backbone import padded_position_ids
-from models.checkpoint import draft_model_folder, save_draft_model
+from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target
 from train.base import StepOutput
 
@@ -67,10 +68,39 @@ class DistillTrainModule(nn.Module):
 
 def response_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
                     ) -> torch.Tensor:
-    """[N, V] logits at the positions that predict a response token (labels[t + 1] != IGNORE_INDEX)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=padded_position_ids(attention_mask), use_cache=False).logits  # [B, T, V]
-    return logits[:, :-1][labels[:, 1:] != IGNORE_INDEX]
+    """[N, V] logits at the positions that predict a response token (labels[t + 1] != IGNORE_INDEX).
+
+    The lm_head runs on those N positions only (prompt positions are never scored): with a 49k vocabulary it is the
+    biggest matmul of a small model, and [B, T, V] float logits the biggest tensor. Models whose logits are not
+    lm_head(last hidden state) (soft-capped or scaled logits) take the full forward."""
+    keep = labels[:, 1:] != IGNORE_INDEX  # [B, T - 1]
+    positions = padded_position_ids(attention_mask)
+    if not plain_readout(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                       use_cache=False).logits  # [B, T, V]
+        return logits[:, :-1][keep]
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                 use_cache=False).last_hidden_state  # [B, T, D]
+    return model.get_output_embeddings()(hidden[:, :-1][keep])  # [N, V]
+
+
+def plain_readout(model: nn.Module) -> bool:
+    """Are the model's logits exactly lm_head(decoder's last hidden state)? (Llama, Qwen2, Mistral: yes; Gemma 2's
+    final soft-capping, Cohere's logit_scale: no.)"""
+    config = model.config.get_text_config()
+    return (getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", None) is None
+            and callable(getattr(model, "get_decoder", None)) and model.get_output_embeddings() is not None)
+
+
+def freeze_embeddings(draft: nn.Module) -> int:
+    """Freeze the draft's input embeddings and lm_head (one tensor when tied); returns the parameters frozen.
+    For an early-exit draft these are the target's own: frozen, they stay identical to it, the draft trains only its
+    decoder layers and final norm, and no optimizer state or weight gradient is spent on the V x D matrix."""
+    frozen = {id(p): p for m in (draft.get_input_embeddings(), draft.get_output_embeddings()) if m is not None
+              for p in m.parameters()}
+    for p in frozen.values():
+        p.requires_grad_(False)
+    return sum(p.numel() for p in frozen.values())
 
 
 @torch.no_grad()
@@ -144,6 +174,8 @@ class Method:
         draft = self._load_draft(frozen=False)
         check_vocab(draft, target)
         draft.train().requires_grad_(True)
+        if self.m.freeze_embeddings:
+            freeze_embeddings(draft)
         target.requires_grad_(False).eval()
         self.tokenizer = tokenizer
         if self.m.eval_initial:
@@ -211,10 +243,15 @@ class Method:
         return "\n".join(rows)
 
     def save(self, model: DistillTrainModule, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None:
-        save_draft_model(output_dir, model.draft, self.cfg.model.path, tokenizer=tokenizer, extra=extra)
+        save_draft_model(output_dir, model.draft, self.cfg.model.path, tokenizer=tokenizer, extra=extra,
+                         target=model.target)
 
     def load(self, model: DistillTrainModule, checkpoint_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        saved = AutoModelForCausalLM.from_pretrained(str(draft_model_folder(checkpoint_dir)), dtype=model.draft.dtype)
-        model.draft.load_state_dict(saved.state_dict())
+        shared = shared_spec(checkpoint_dir)  # left out of the files: the draft keeps the target's own (frozen)
+        with quiet_missing_weights(bool(shared)):
+            saved = AutoModelForCausalLM.from_pretrained(str(draft_model_folder(checkpoint_dir)), dtype=model.draft.dtype)
+        state = {k: v for k, v in saved.state_dict().items() if k not in shared}
+        missing, unexpected = model.draft.load_state_dict(state, strict=False)
+        if set(missing) - set(shared) or unexpected:
+            raise CheckpointError(f"{checkpoint_dir}: the saved draft does not match this run's draft "
+                                  f"({', '.join(sorted(set(missing) - set(shared)) + unexpected)[:200]})")

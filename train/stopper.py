@@ -31,9 +31,10 @@ from torch import nn
 
 from data.errors import UsageError
 from inference.api import Engine
-from inference.draft_model import DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model
+from inference.draft_model import (DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model,
+                                   quiet_missing_weights)
 from inference.draft_stop import DraftStop, StopTrace
-from models.checkpoint import CONFIG_NAME, draft_model_folder, save_draft_model
+from models.checkpoint import CONFIG_NAME, attach_shared, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target, load_tokenizer
 from models.stopper import FEATURES, StopperModel, stopper_entry
 from train.base import first_user_prompts
@@ -145,7 +146,10 @@ class Method:
         kwargs = dict(attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         target = load_target(cfg.model.path, dtype=cfg.model.dtype, quantization=cfg.model.quantization,
                              double_quant=cfg.model.double_quant, revision=cfg.model.revision, **kwargs)
-        draft = load_target(resolve_draft(m.draft), dtype=cfg.model.dtype, **kwargs).to(target.device)
+        shared = draft_shared(m.draft)
+        with quiet_missing_weights(bool(shared)):  # left out of the files on purpose: attached below
+            draft = load_target(resolve_draft(m.draft), dtype=cfg.model.dtype, **kwargs).to(target.device)
+        attach_shared(draft, target, shared, f"method.draft={m.draft}")
         check_vocab(draft, target)
         prompts = train_prompts(cfg, tokenizer)
         n_val = max(1, round(len(prompts) * m.validation_fraction))
@@ -189,7 +193,8 @@ class Method:
                  "config": OmegaConf.to_container(cfg, resolve=True)}
         entry = stopper_entry(model, threshold, m.max_gamma, {k: metrics[k] for k in ("val_log_loss", "draft_cost_ratio")})
         output_dir = Path(cfg.output_dir)
-        save_draft_model(output_dir, draft, cfg.model.path, tokenizer, extra, stopper=model, stopper_config=entry)
+        save_draft_model(output_dir, draft, cfg.model.path, tokenizer, extra, stopper=model, stopper_config=entry,
+                         target=target)
         print(f"checkpoint: {output_dir}", flush=True)
         return metrics
 
@@ -201,6 +206,12 @@ def resolve_draft(draft: str) -> str:
     if (Path(path) / CONFIG_NAME).is_file() and not is_plain_model(path):
         return str(draft_model_folder(path))  # a checkpoint, or CheckpointError naming what is wrong with it
     return path
+
+
+def draft_shared(draft: str) -> dict:
+    """What a draft_model checkpoint named by method.draft takes from its target (models.checkpoint.shared_spec)."""
+    path = draft_path(draft)
+    return shared_spec(path) if (Path(path) / CONFIG_NAME).is_file() and not is_plain_model(path) else {}
 
 
 def train_prompts(cfg: DictConfig, tokenizer: Any) -> list[list[int]]:
