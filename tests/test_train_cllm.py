@@ -143,3 +143,25 @@ def test_full_fine_tuning_kl_teacher_is_a_frozen_copy(setup, single_thread):
     out.loss.backward()
     assert all(p.grad is None for p in teacher.parameters())
     assert model.get_output_embeddings().weight.grad is not None
+
+
+@pytest.mark.parametrize("method, refused", [("cllm", False), ("medusa2", True)])
+def test_model_data_recipe_self_distill_does_not_refuse_cllm(method, refused):
+    """+model=smollm2 selects data=instructions with self_distill on; cllm trains on its own trajectories (the data
+    recipe never runs), so QLoRA (model.quantization=nf4) must pass the self-distillation check for it, while
+    medusa2, which would generate through the 4-bit model it trains, is still refused."""
+    from hydra import compose, initialize_config_module
+
+    from train.cli import UsageError, check_self_distill
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"method={method}", "+model=smollm2", "model.quantization=nf4",
+                                                      *(["method.trajectories=t.jsonl"] if method == "cllm" else [])])
+    assert cfg.data.self_distill
+    if refused:
+        with pytest.raises(UsageError, match="only for medusa1"):
+            check_self_distill(cfg)
+    else:
+        check_self_distill(cfg)

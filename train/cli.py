@@ -146,7 +146,7 @@ def check_values(cfg: DictConfig) -> None:
 
 def check_self_distill(cfg: DictConfig) -> None:
     """data.self_distill generates with the target before training: refuse the setups where that cannot work."""
-    if not OmegaConf.select(cfg, "data.self_distill", default=False):
+    if not OmegaConf.select(cfg, "data.self_distill", default=False) or brings_own_data(cfg.method.name):
         return
     if OmegaConf.select(cfg, "deepspeed.name") == "zero3":
         raise UsageError("data.self_distill=true: a ZeRO-3 target is partitioned and cannot generate; "
@@ -155,6 +155,17 @@ def check_self_distill(cfg: DictConfig) -> None:
         # Generating through a 4-bit model that is trained afterwards silently kills its gradients on CPU.
         raise UsageError(f"data.self_distill=true with model.quantization=nf4 is only for medusa1 (frozen backbone); "
                          f"for {cfg.method.name} write the data first with scripts/self_distill.py")
+
+
+def brings_own_data(method_name: str) -> bool:
+    """Whether the method trains on its own samples (train.base.ProvidesData, e.g. cllm's Jacobi trajectories): the
+    `data` config's self-distillation never runs for it, so a model config's data recipe (+model=smollm2 selects
+    data=instructions with self_distill on) must not refuse its settings."""
+    import importlib
+
+    from train.base import ProvidesData
+
+    return issubclass(importlib.import_module(f"train.{method_name}").Method, ProvidesData)
 
 
 def check_output_dir(output_dir: str) -> None:
