@@ -111,8 +111,11 @@ def collect(model: Any, samples: Sequence[PromptSample], output: Path, options: 
             width = max(len(s.prompt_ids) for s in batch)
             ids = torch.tensor([[pad_token_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids) for s in batch])
             mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in batch])
+            def show(j: int, iterations: int) -> None:  # one line per block: a batch takes minutes on a CPU
+                bar.set_postfix_str(f"batch block {j + 1}/{num_blocks}: {iterations} iterations", refresh=True)
+
             trajectories = jacobi_blocks(model, ids.to(device), mask.to(device), options, num_blocks, pad_token_id,
-                                         eos_token_ids)
+                                         eos_token_ids, on_block=show)
             for sample, row in zip(batch, trajectories):
                 blocks = [block.states for block in row]
                 record = trajectory_record(sample, blocks, options.block_size, options.init, max_repeat)
