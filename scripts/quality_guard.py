@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 on a shared machine)")
     parser.add_argument("overrides", nargs="*", help="data.key=value")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # data.key=value may come after the options
     torch.set_num_threads(args.threads)
 
     config = read_drafter_config(args.checkpoint)
