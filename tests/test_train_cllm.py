@@ -89,6 +89,12 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     # the adapter is applied: the served model is the fine-tuned one, not the base (some weight differs)
     base_sd, tuned_sd = greedy.model.state_dict(), engine.model.state_dict()
     assert any(not torch.equal(base_sd[k], tuned_sd[k]) for k in base_sd)
+    # the quality guard reads the checkpoint; data.key=value overrides may follow the options
+    guard = [sys.executable, "scripts/quality_guard.py", str(out), "--data", "sharegpt", f"data.path={setup['chats']}",
+             "--prompts", "1", "--new-tokens", "4", "data.validation_fraction=0.25", "--batches", "1", "--threads", "1"]
+    result = subprocess.run(guard, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "perplexity  original" in result.stdout and "greedy agreement with the original" in result.stdout
 
 
 @pytest.mark.parametrize("override,message", [
