@@ -42,8 +42,12 @@ def collect(model: Any, samples: Sequence[PromptSample], output: Path, options: 
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             ids, mask = left_pad([s.prompt_ids for s in batch], pad_token_id)  # [B, T] each
+
+            def show(j: int, iterations: int) -> None:  # one line per block: a batch takes minutes on a CPU
+                bar.set_postfix_str(f"batch block {j + 1}/{num_blocks}: {iterations} iterations", refresh=True)
+
             trajectories = jacobi_blocks(model, ids.to(device), mask.to(device), options, num_blocks, pad_token_id,
-                                         eos_token_ids)
+                                         eos_token_ids, on_block=show)
             for sample, row in zip(batch, trajectories):
                 blocks = [block.states for block in row]
                 record = trajectory_record(sample, blocks, options.block_size, options.init, max_repeat)

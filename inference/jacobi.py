@@ -19,6 +19,7 @@ makes the same per-token Jacobi updates and never takes more steps. `jacobi_bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -177,11 +178,14 @@ def jacobi_blocks(
     num_blocks: int,
     pad_token_id: int = 0,
     eos_token_ids: tuple[int, ...] = (),
+    on_block: Callable[[int, int], None] | None = None,
 ) -> list[list[BlockTrajectory]]:
     """Textbook block Jacobi on left-padded prompts [B, T]: per block, iterate y <- [argmax after x, argmax after
     x y_<N-1] until no row changes, then commit the block to the cache (its keys/values were computed from the fixed
     point itself, so they are kept as they are). A row that converged keeps riding (a fixed point stays fixed).
-    Rows stop after a block holding an EOS id, or after `num_blocks` blocks. Returns [row][block] trajectories."""
+    Rows stop after a block holding an EOS id, or after `num_blocks` blocks. Returns [row][block] trajectories.
+    `on_block(j, iterations)` is called after block j (0-based) converged, with the forwards it took (progress: a
+    batch of a real model takes minutes)."""
     pad_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     dtype = model.get_input_embeddings().weight.dtype
     n, batch = options.block_size, input_ids.shape[0]
@@ -196,11 +200,11 @@ def jacobi_blocks(
     result: list[list[BlockTrajectory]] = [[] for _ in range(batch)]
     live = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     last = input_ids[:, -1]  # [B] last committed token (for init="repeat")
-    for _ in range(num_blocks):
+    for j in range(num_blocks):
         y = fill_tokens(input_ids, pad_mask, last, n, options.init, pad_token_id, generator)  # [B, N]
         states = [[tuple(row)] for row in y.tolist()]
         done = torch.zeros(batch, dtype=torch.bool, device=y.device)
-        for _ in range(n + 1):  # N iterations fix every token; one more confirms it
+        for iterations in range(1, n + 2):  # N iterations fix every token; one more confirms it
             mask, positions = tree_inputs(tree, valid, next_pos, dtype)
             logits = model(input_ids=y, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).logits
             new = torch.cat([first[:, None], logits[:, :-1].argmax(-1)], dim=1)  # [B, N]
@@ -220,6 +224,8 @@ def jacobi_blocks(
             result[row].append(BlockTrajectory(tuple(states[row])))
         if eos_token_ids:
             live &= ~torch.isin(y, torch.tensor(eos_token_ids, device=y.device)).any(-1)
+        if on_block is not None:
+            on_block(j, iterations)
         if not bool(live.any()):
             break
     return result

@@ -37,9 +37,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, default=None, help="at most this many validation batches")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 on a shared machine)")
     parser.add_argument("overrides", nargs="*", help="data.key=value")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
+    args = parser.parse_intermixed_args()  # data.key=value may come after the options
+    torch.set_num_threads(args.threads)
 
     config = read_drafter_config(args.checkpoint)
     if not config.get("backbone"):
@@ -56,8 +57,8 @@ def main() -> None:
     if validation is None:
         raise SystemExit(f"data={args.data}: no validation split")
     collate = ChatCollator(tokenizer.pad_token_id)
-    batches = [collate([validation[j] for j in range(i, min(i + 8, len(validation)))])
-               for i in range(0, len(validation), 8)][: args.batches]
+    starts = range(0, len(validation), 8)[: args.batches]  # collate only the batches scored
+    batches = [collate([validation[j] for j in range(i, min(i + 8, len(validation)))]) for i in starts]
     original = load_target(settings["path"], dtype=args.dtype)
     tuned = load_drafter_target(args.checkpoint, base, dtype=args.dtype)
     before, after = lm_quality(original, batches), lm_quality(tuned, batches)

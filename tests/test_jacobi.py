@@ -93,3 +93,17 @@ def test_parse_spec(spec, expected):
 def test_parse_spec_rejects_bad_options(spec):
     with pytest.raises(ValueError, match="block_size|init|expected|integer"):
         JacobiOptions.parse(spec)
+
+
+def test_block_progress_reports_every_block(tiny_lm, single_thread):
+    """on_block(j, iterations) runs once per block, in order, with the forwards that block took (at most N + 1,
+    at least 1), and does not change the trajectories."""
+    ids, mask = left_padded(PROMPTS)
+    n, blocks = 4, 3
+    calls = []
+    seen = jacobi_blocks(tiny_lm, ids, mask, JacobiOptions(block_size=n), num_blocks=blocks,
+                         on_block=lambda j, iterations: calls.append((j, iterations)))
+    assert seen == jacobi_blocks(tiny_lm, ids, mask, JacobiOptions(block_size=n), num_blocks=blocks)
+    assert [j for j, _ in calls] == list(range(blocks))
+    for j, iterations in calls:  # the slowest row decides a block's forwards: its states + the confirming one
+        assert iterations == max(len(row[j].states) for row in seen) and 1 <= iterations <= n + 1

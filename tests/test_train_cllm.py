@@ -89,6 +89,12 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     # the adapter is applied: the served model is the fine-tuned one, not the base (some weight differs)
     base_sd, tuned_sd = greedy.model.state_dict(), engine.model.state_dict()
     assert any(not torch.equal(base_sd[k], tuned_sd[k]) for k in base_sd)
+    # the quality guard reads the checkpoint; data.key=value overrides may follow the options
+    guard = [sys.executable, "scripts/quality_guard.py", str(out), "--data", "sharegpt", f"data.path={setup['chats']}",
+             "--prompts", "1", "--new-tokens", "4", "data.validation_fraction=0.25", "--batches", "1", "--threads", "1"]
+    result = subprocess.run(guard, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "perplexity  original" in result.stdout and "greedy agreement with the original" in result.stdout
 
 
 @pytest.mark.parametrize("override,message", [
@@ -143,3 +149,26 @@ def test_full_fine_tuning_kl_teacher_is_a_frozen_copy(setup, single_thread):
     out.loss.backward()
     assert all(p.grad is None for p in teacher.parameters())
     assert model.get_output_embeddings().weight.grad is not None
+
+
+@pytest.mark.parametrize("method, refused", [("cllm", False), ("medusa2", True)])
+def test_model_data_recipe_self_distill_does_not_refuse_cllm(method, refused):
+    """+model=smollm2 selects data=instructions with self_distill on; cllm trains on its own trajectories (the data
+    recipe never runs), so QLoRA (model.quantization=nf4) must pass the self-distillation check for it, while
+    medusa2, which would generate through the 4-bit model it trains, is still refused."""
+    from hydra import compose, initialize_config_module
+
+    from data.errors import UsageError
+    from train.checks import check_self_distill
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"method={method}", "+model=smollm2", "model.quantization=nf4",
+                                                      *(["method.trajectories=t.jsonl"] if method == "cllm" else [])])
+    assert cfg.data.self_distill
+    if refused:
+        with pytest.raises(UsageError, match="only for medusa1"):
+            check_self_distill(cfg)
+    else:
+        check_self_distill(cfg)

@@ -4,6 +4,7 @@ the key, before Hydra starts (train.cli) and again in each job of a multirun (tr
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -37,9 +38,18 @@ def check_values(cfg: DictConfig) -> None:
     check_output_dir(cfg.output_dir)
 
 
+def brings_own_data(method_name: str) -> bool:
+    """Whether the method trains on its own samples (train.base.ProvidesData, e.g. cllm's Jacobi trajectories): the
+    `data` config's self-distillation never runs for it, so a model config's data recipe (+model=smollm2 selects
+    data=instructions with self_distill on) must not refuse its settings."""
+    from train.base import ProvidesData  # deferred: transformers' Trainer takes seconds to import; most checks need none
+
+    return issubclass(importlib.import_module(f"train.{method_name}").Method, ProvidesData)
+
+
 def check_self_distill(cfg: DictConfig) -> None:
     """data.self_distill generates with the target before training: refuse the setups where that cannot work."""
-    if not OmegaConf.select(cfg, "data.self_distill", default=False):
+    if not OmegaConf.select(cfg, "data.self_distill", default=False) or brings_own_data(cfg.method.name):
         return
     if OmegaConf.select(cfg, "deepspeed.name") == "zero3":
         raise UsageError("data.self_distill=true: a ZeRO-3 target is partitioned and cannot generate; "
