@@ -14,6 +14,7 @@ from data.errors import UsageError
 from data.readers import FORMATS
 from models.builtin import DTYPES, QUANTIZATIONS
 from train import config as schema
+from train.protocols import ProvidesData
 
 
 def check_values(cfg: DictConfig) -> None:
@@ -39,11 +40,9 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def brings_own_data(method_name: str) -> bool:
-    """Whether the method trains on its own samples (train.base.ProvidesData, e.g. cllm's Jacobi trajectories): the
+    """Whether the method trains on its own samples (train.protocols.ProvidesData, e.g. cllm's Jacobi trajectories): the
     `data` config's self-distillation never runs for it, so a model config's data recipe (+model=smollm2 selects
     data=instructions with self_distill on) must not refuse its settings."""
-    from train.base import ProvidesData  # deferred: transformers' Trainer takes seconds to import; most checks need none
-
     return issubclass(importlib.import_module(f"train.{method_name}").Method, ProvidesData)
 
 
