@@ -151,6 +151,17 @@ def test_full_fine_tuning_kl_teacher_is_a_frozen_copy(setup, single_thread):
     assert model.get_output_embeddings().weight.grad is not None
 
 
+def test_own_data_methods_are_the_provides_data_ones():
+    import importlib
+
+    from train.base import ProvidesData
+    from train.checks import OWN_DATA_METHODS
+
+    methods = [p.stem for p in (Path(__file__).parents[1] / "conf" / "method").glob("*.yaml")]
+    assert {m for m in methods if issubclass(importlib.import_module(f"train.{m}").Method, ProvidesData)} \
+        == OWN_DATA_METHODS
+
+
 @pytest.mark.parametrize("method, refused", [("cllm", False), ("medusa2", True)])
 def test_model_data_recipe_self_distill_does_not_refuse_cllm(method, refused):
     """+model=smollm2 selects data=instructions with self_distill on; cllm trains on its own trajectories (the data

@@ -34,7 +34,6 @@ from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places
 from train.checks import check_values
 from train.config import RESUME_KEYS
 from train.distributed import deepspeed_settings, gathered, init_deepspeed_comm, is_main_process
-from train.protocols import ProvidesData  # noqa: F401  (re-exported: methods and tests import it from here)
 
 log = logging.getLogger("draftsmith")
 
@@ -70,6 +69,17 @@ class TrainMethod(Protocol):
         ...
 
     def load(self, model: nn.Module, checkpoint_dir: Path) -> None: ...
+
+
+@runtime_checkable
+class ProvidesData(Protocol):
+    """A method trained on its own sample shape (e.g. cllm's Jacobi trajectories) instead of `data`'s chat samples."""
+
+    def datasets(self, tokenizer: Any) -> Any:
+        """An object with .train and .validation (None when empty), like data.datasets.SplitDatasets."""
+        ...
+
+    def collator(self, tokenizer: Any) -> Callable[[list[dict]], dict[str, torch.Tensor]]: ...
 
 
 @runtime_checkable

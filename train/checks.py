@@ -4,7 +4,6 @@ the key, before Hydra starts (train.cli) and again in each job of a multirun (tr
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from data.errors import UsageError
 from data.readers import FORMATS
 from models.builtin import DTYPES, QUANTIZATIONS
 from train import config as schema
-from train.protocols import ProvidesData
 
 
 def check_values(cfg: DictConfig) -> None:
@@ -39,11 +37,16 @@ def check_values(cfg: DictConfig) -> None:
     check_output_dir(cfg.output_dir)
 
 
+# Methods that train on their own samples (train.base.ProvidesData: cllm's Jacobi trajectories), so `data`'s
+# self-distillation never runs for them. Named here, not found by importing the methods: these checks run before
+# Hydra prints a config and must not import the Trainer; tests/test_train_cllm.py checks the list against the classes.
+OWN_DATA_METHODS = frozenset({"cllm"})
+
+
 def brings_own_data(method_name: str) -> bool:
-    """Whether the method trains on its own samples (train.protocols.ProvidesData, e.g. cllm's Jacobi trajectories): the
-    `data` config's self-distillation never runs for it, so a model config's data recipe (+model=smollm2 selects
-    data=instructions with self_distill on) must not refuse its settings."""
-    return issubclass(importlib.import_module(f"train.{method_name}").Method, ProvidesData)
+    """Whether a model config's data recipe (+model=smollm2 selects data=instructions with self_distill on) is moot
+    for the method, so its settings must not be refused for it."""
+    return method_name in OWN_DATA_METHODS
 
 
 def check_self_distill(cfg: DictConfig) -> None:
