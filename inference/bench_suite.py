@@ -27,7 +27,7 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -350,11 +350,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: outputs/bench/suite-<plan name>)")
     p.add_argument("--only", default="", help="comma list of the plan's methods to run (default: all)")
     p.add_argument("--limit", type=int, help="only the first N questions")
+    p.add_argument("--questions", help="replaces the plan's --questions (e.g. mt_bench:8:spread,gsm8k:2)")
     args = p.parse_args(argv)
     try:
         if args.limit is not None and args.limit < 1:
             raise UsageError(f"--limit must be >= 1, got {args.limit}")
         plan = select(read_plan(args.plan), [n for n in args.only.split(",") if n])
+        if args.questions:
+            plan = replace(plan, common=(*plan.common, "--questions", args.questions))  # argparse: the last one wins
         run_suite(plan, Path(args.out or f"outputs/bench/suite-{Path(args.plan).stem}"), args.limit)
     except UsageError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)

@@ -23,14 +23,14 @@ def write_plan(tmp_path: Path, text: str) -> Path:
 
 def test_suite_runs_every_method_against_shared_baselines(models, data_dir, tmp_path, capsys):
     plan = write_plan(tmp_path, f"""
-common: --base {models['target']} --dtype fp32 --max-new-tokens 8 --warmup 0 --questions gsm8k:2,humaneval:1
+common: --base {models['target']} --dtype fp32 --max-new-tokens 8 --warmup 0 --questions mt_bench:1
 baselines: {{run: [ar, hf, hf_pld]}}
 methods:
   pld: {{args: --drafter prompt_lookup, versus: [ar, hf, hf_pld]}}
   draft: {{args: --drafter {models['draft']}, own_ar: true, categories: [gsm8k]}}
 """)
     out = tmp_path / "out"
-    assert main([str(plan), "--out", str(out)]) == 0
+    assert main([str(plan), "--out", str(out), "--questions", "gsm8k:2,humaneval:1:spread"]) == 0
     printed, err = capsys.readouterr()
     suite = json.loads((out / "suite.json").read_text())
     assert suite["num_questions"] == 3 and list(suite["methods"]) == ["pld", "draft"]
