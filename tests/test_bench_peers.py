@@ -18,23 +18,11 @@ from inference.tree import build_tree
 from models.checkpoint import CheckpointError, save_drafter
 from models.interop import export_medusa, import_medusa
 from models.medusa import MedusaConfig, MedusaHeads
-from tests.model_support import save_tiny_model
-from tests.test_interop import D, OriginalResBlock, per_head_logits
+from tests.test_interop import (D, OriginalResBlock, base_dir, base_lm_head,  # noqa: F401  (fixtures)
+                                per_head_logits)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "bench_peers.py"
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("base") / "base", hidden_size=D)
-
-
-@pytest.fixture(scope="module")
-def base_lm_head(base_dir) -> nn.Linear:
-    from models.loading import load_target
-
-    return load_target(str(base_dir), dtype="fp32").get_output_embeddings()
 
 
 def random_heads(K: int, L: int, V: int, shared: bool) -> MedusaHeads:
