@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
-from inference.api import DRAFTER_BUILDERS, NAMED_DRAFTERS, DrafterOptions, Engine, load  # noqa: E402
+from inference.api import DRAFTER_BUILDERS, DrafterOptions, Engine, build_from_spec, load  # noqa: E402
 from inference.bench import is_draft_model  # noqa: E402
 from inference.bench_methods import HFRunner, Sampling, assisted_settings, pld_defaults  # noqa: E402
 from inference.draft_stop import check_stop_spec  # noqa: E402
@@ -287,7 +287,7 @@ def build_ours(args: argparse.Namespace, peers: list[str], choices: list[int] | 
         runners["ours_draft"] = engine_turn(Engine(model, drafter))
         record["config"]["hf_assisted"] = {"draft": args.draft, **assisted_settings(drafter.model)}
     if "hf_pld" in peers:
-        pld = NAMED_DRAFTERS["prompt_lookup"]("prompt_lookup", model)
+        pld = build_from_spec("prompt_lookup", model)
         tokens, ngram = pld_defaults(pld if isinstance(pld, PromptLookupDrafter) else None)
         runners["hf_pld"] = hf_turn(HFRunner(model, eos, pad, greedy, {"prompt_lookup_num_tokens": tokens,
                                                                        "max_matching_ngram_size": ngram}))
