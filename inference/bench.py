@@ -199,8 +199,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     answers = run_all(session, runners, questions, args)
     greedy = args.temperature == 0
     # float64 reruns need a plain copy of the target: not of quantized or device-mapped weights
-    fp64 = greedy and args.quantization == "none" and args.device_map is None
-    judge = Fp64Judge(model) if fp64 else None
+    judge = greedy_judge(args, model)
     summary = summarize(answers, names[0], greedy=greedy, judge=judge)
     summary["bandwidth"] = bandwidth_floor(weight_bytes(model), copy_rate, summary)
     summary["config"] = {
@@ -224,6 +223,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         for path in write_plots(Path(args.plot), summary, answers[names[0]], session.drafter_config):
             print(f"plot: {path}")
     return 0
+
+
+def greedy_judge(args: argparse.Namespace, model: torch.nn.Module) -> Fp64Judge | None:
+    """The float64 judge of greedy divergences, when the run is greedy and its target can be copied to float64
+    (not quantized or device-mapped weights); else None (every divergence then counts as a mismatch)."""
+    fp64 = args.temperature == 0 and args.quantization == "none" and args.device_map is None
+    return Fp64Judge(model) if fp64 else None
 
 
 def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]) -> dict[str, Any]:

@@ -35,20 +35,18 @@ import yaml
 
 from inference.api import Engine
 from inference.bandwidth import copy_bandwidth, weight_bytes
-from inference.bench import (answer, answer_record, check_bench_args, hf_options, progress_bar, run_config,
-                             write_atomic)
+from inference.bench import (WARMUP_TOKENS, answer, answer_record, check_bench_args, greedy_judge, hf_options,
+                             progress_bar, run_config, write_atomic)
 from inference.bench_methods import BASELINES, EngineRunner, Runner, Sampling, build_runners
 from inference.benchstats import Answer, bandwidth_floor, format_table, summarize
 from data.errors import UsageError
 from inference.cli import build_parser, one_line
 from inference.drafters import NoDrafter
-from inference.greedy_ties import Fp64Judge
 from inference.prompt_sets import Question, load_questions
 from inference.session import encode_messages, open_session
 
 METHOD_KEYS = {"args", "own_ar", "categories", "versus"}
 PLAN_KEYS = {"common", "baselines", "methods"}
-WARMUP_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -260,9 +258,7 @@ def method_summary(m: MethodPlan, loaded: Loaded, answers: dict[str, dict[int, A
     rows = {m.name: [answers[m.name][i] for i in idx], **{b: [answers[src][i] for i in idx] for b, src in refs.items()}}
     args = loaded.method_args[m.name]
     session = loaded.sessions[m.name]
-    greedy = args.temperature == 0
-    fp64 = greedy and args.quantization == "none" and args.device_map is None
-    summary = summarize(rows, m.name, greedy=greedy, judge=Fp64Judge(session.engine.model) if fp64 else None)
+    summary = summarize(rows, m.name, greedy=args.temperature == 0, judge=greedy_judge(args, session.engine.model))
     summary["bandwidth"] = bandwidth_floor(weight_bytes(session.engine.model), copy_rate, summary)
     summary["config"] = {"questions": str(args.questions), "num_questions": len(idx),
                          "ar_is_own_loop": m.own_ar, "categories": list(m.categories) or None,
@@ -321,7 +317,7 @@ def run_suite(plan: Plan, out: Path, limit: int | None = None) -> dict[str, Any]
     if base_rows:
         main = plan.baselines[0]
         base_summary = summarize(base_rows, main, greedy=base_args.temperature == 0,
-                                 judge=Fp64Judge(loaded.base.engine.model) if base_args.temperature == 0 else None)
+                                 judge=greedy_judge(base_args, loaded.base.engine.model))
     summaries = {}
     for m in plan.methods:
         summaries[m.name] = s = method_summary(m, loaded, answers, copy_rate)
