@@ -209,7 +209,7 @@ def load_all(plan: Plan, base_args: argparse.Namespace, method_args: dict[str, a
         loaded.entries.append(Entry(label, runner, base))
     for m in plan.methods:
         print(f"loading {m.name} ({method_args[m.name].drafter})", file=sys.stderr, flush=True)
-        session = open_session(method_args[m.name])
+        session = open_session(method_args[m.name], share=base)  # the baselines' target, when it is the same
         loaded.sessions[m.name], loaded.method_args[m.name] = session, method_args[m.name]
         loaded.entries.append(Entry(m.name, EngineRunner(session.engine, sampling_of(method_args[m.name])), session,
                                     m.categories))

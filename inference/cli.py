@@ -3,9 +3,9 @@
 Every subcommand loads a `Session` the same way (inference.session: a base model, a drafter and a tokenizer).
 `--drafter` is whatever `inference.api.load` serves, so a drafter registered there is on the command line with no
 change here:
-    a draftsmith checkpoint directory   config.json names the drafter type (api.DRAFTER_BUILDERS) and the base model
+    a draftsmith checkpoint directory   config.json names the drafter type (registry.DRAFTERS) and the base model
     a plain causal LM (dir, builtin:..)  a draft model for --base; early_exit:<model>:<N> is <model>'s first N layers
-    a registered name (training_free.NAMED_DRAFTERS: jacobi, lookahead, prompt_lookup), optionally "name:k=v,...";
+    a registered name (registry.DRAFTERS: jacobi, lookahead, prompt_lookup), optionally "name:k=v,...";
                                         --drafter-option KEY=VALUE pairs are appended to that spec
     none (the default)                  plain autoregressive decoding through the same loop
 

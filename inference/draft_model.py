@@ -249,13 +249,6 @@ def is_plain_model(path: str | os.PathLike) -> bool:
     return isinstance(data, dict) and "drafter_type" not in data and "model_type" in data
 
 
-def plain_model_config(path: str | os.PathLike, base: str | None) -> dict[str, Any]:
-    """The drafter config `inference.api.load` uses for a plain causal LM given as drafter_path."""
-    if not base:
-        raise ValueError(f"load: {path} is a plain causal LM (a draft model); pass base= (the target model)")
-    return {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": str(path)}
-
-
 def draft_shape(tree: Any) -> tuple[int, int]:
     """(gamma, branches) from load()'s `tree`: None/"default" (a DEFAULT_GAMMA chain), "chain:<n>",
     "branches:<k>x<n>" (k first-level candidates, each a chain to depth n), or the equivalent choice list

@@ -17,13 +17,10 @@ import torch
 from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
-from inference.api import load
+from inference.api import attach, load
 from inference.drafter_spec import DrafterSpec
-from inference.draft_model import is_plain_model
-from inference.draft_stop import check_stop_spec
-from inference.training_free import NAMED_DRAFTERS, named_spec
-from models.checkpoint import read_drafter_config, read_token_counts
-from models.loading import MODEL_PREFIXES, TOKENIZER_FILES, load_tokenizer, model_settings
+from inference.registry import CLI, LoadOptions, named_spec, resolve, spec_names
+from models.loading import TOKENIZER_FILES, load_tokenizer, model_settings
 
 
 @dataclass(frozen=True)
@@ -36,13 +33,14 @@ class Session:
     base: str  # the base model's name or path, as given
     drafter_name: str  # --drafter as given ("none" when absent)
     drafter_config: dict[str, Any] | None  # the checkpoint's config.json
+    target: tuple | None = None  # what the target was loaded from and how (`open_session(..., share=)` compares it)
 
 
 def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -> None:
     p.add_argument("--drafter", required=drafter_required,
                    help=f"a draftsmith checkpoint directory, a draft model (dir, builtin:<name>, or "
                         f"early_exit:<model>:<layers>, that model's first layers; with --base), or "
-                        f"a registered drafter ({', '.join(named_drafters())}[:key=value,...]); default: none")
+                        f"a registered drafter ({', '.join(spec_names())}[:key=value,...]); default: none")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="option for a registered drafter; repeatable")
     p.add_argument("--base", help="base model: hub id, local dir, builtin:tiny, or a conf/model name "
@@ -90,10 +88,6 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def named_drafters() -> list[str]:
-    return ["none", *sorted(NAMED_DRAFTERS)]
-
-
 def drafter_spec(name: str, pairs: Sequence[str]) -> str:
     """--drafter plus --drafter-option pairs as one `inference.api.load` spec ("name:key=value,...")."""
     extra = DrafterSpec("").with_pairs(pairs)  # checks each pair, whatever the drafter
@@ -101,7 +95,7 @@ def drafter_spec(name: str, pairs: Sequence[str]) -> str:
         return name
     spec = named_spec(name)
     if spec is None:
-        raise UsageError(f"--drafter-option applies to registered drafters ({', '.join(named_drafters()[1:])}); "
+        raise UsageError(f"--drafter-option applies to registered drafters ({', '.join(spec_names()[1:])}); "
                          f"--drafter {name} carries its own settings")
     return str(DrafterSpec(spec.name, (*spec.options, *extra.options)))
 
@@ -122,52 +116,46 @@ def _trained_chat_template(config: dict[str, Any] | None) -> str | None:
     return None
 
 
-def open_session(args: argparse.Namespace) -> Session:
-    """Load base model, drafter and tokenizer from the common options (see `add_model_args`)."""
+def open_session(args: argparse.Namespace, share: Session | None = None) -> Session:
+    """Load base model, drafter and tokenizer from the common options (see `add_model_args`). With `share`, a
+    session whose target was loaded from the same model with the same dtype, quantization and placement lends it
+    (one copy of the weights for several drafters in one benchmark); a drafter that ships its own fine-tuned target
+    (Medusa-2, CLLM) always loads that one."""
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     name = args.drafter or "none"
-    spec = drafter_spec(name, args.drafter_option)
-    config = checkpoint_config(name)
-    if config is None and name != "none" and named_spec(name) is None and not name.startswith(MODEL_PREFIXES) \
-            and not Path(name).is_dir():
-        raise UsageError(f"--drafter {name}: no such checkpoint or model directory, and not a registered drafter "
-                         f"({', '.join(named_drafters())})")
-    if config is None and Path(name).is_dir() and not is_plain_model(name):
-        read_drafter_config(name)  # raises CheckpointError naming what is missing or malformed
-    base_arg = args.base or (None if config is None else config.get("base_model_name_or_path"))
-    if base_arg is None:
-        raise UsageError(f"--drafter {name} needs --base (the model to decode with)")
-    if name == "none" and args.tree is not None:
-        raise UsageError("--tree needs a drafter; --drafter is none")
-    if args.draft_stop is not None:  # before any model loads
-        check_stop_spec(args.draft_stop, config is not None and isinstance(config.get("stopper"), dict))
-    if args.head_vocab is not None:  # before any model loads
-        if config is None or config.get("drafter_type") != "medusa":
-            raise UsageError(f"--head-vocab applies to Medusa heads checkpoints; --drafter {name} is not one")
-        read_token_counts(name)  # raises CheckpointError naming the missing or unreadable file
+    request = resolve(drafter_spec(name, args.drafter_option), args.base, CLI)
+    options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab)
+    request.check(options, CLI)  # before any model loads
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
     if args.offload_folder is not None and args.device_map is None:
         raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
+    config = request.config
+    base_arg = request.base
     settings = model_settings(base_arg)
-    engine = load(
-        None if name == "none" else spec, base=settings["path"],
-        dtype=args.dtype or _trained_dtype(config) or settings["dtype"] or "bf16",
-        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), tree=args.tree,
-        quantization=None if args.quantization == "none" else args.quantization,
-        device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
-        head_vocab=args.head_vocab,
-    )
+    dtype = args.dtype or _trained_dtype(config) or settings["dtype"] or "bf16"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    own_target = bool((config or {}).get("backbone"))
+    target = None if own_target else (settings["path"], dtype, args.quantization, device, args.device_map)
+    if share is not None and target is not None and share.target == target:
+        engine = attach(request, share.engine.model, options)
+    else:
+        engine = load(
+            request, base=settings["path"], dtype=dtype, device=device, tree=args.tree,
+            quantization=None if args.quantization == "none" else args.quantization,
+            device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
+            head_vocab=args.head_vocab,
+        )
     tokenizer_path = args.tokenizer
     if tokenizer_path is None:
         own = config is not None and args.base is None and any((Path(name) / f).is_file() for f in TOKENIZER_FILES)
         tokenizer_path = name if own else settings["path"]
     tokenizer = load_tokenizer(tokenizer_path)
     chat_template = args.chat_template or settings["chat_template"] or _trained_chat_template(config)
-    return Session(engine, tokenizer, chat_template, base_arg, name, config)
+    return Session(engine, tokenizer, chat_template, base_arg, name, config, target)
 
 
 def checkpoint_config(name: str) -> dict[str, Any] | None:

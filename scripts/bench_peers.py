@@ -38,7 +38,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
-from inference.api import DRAFTER_BUILDERS, DrafterOptions, Engine, build_from_spec, load  # noqa: E402
+from inference.api import Engine, attach, load  # noqa: E402
+from inference.registry import LoadOptions, build_from_spec, resolve  # noqa: E402
 from inference.bench import is_draft_model  # noqa: E402
 from inference.bench_methods import HFRunner, Sampling, assisted_settings, pld_defaults  # noqa: E402
 from inference.draft_stop import check_stop_spec  # noqa: E402
@@ -271,20 +272,22 @@ def build_ours(args: argparse.Namespace, peers: list[str], choices: list[int] | 
     """Our methods and the HF ones, on one target object; returns (runners, session)."""
     settings = model_settings(args.base)
     engine = load(None, base=settings["path"], dtype=args.dtype)
-    model, device = engine.model, engine.device
+    model = engine.model
     tokenizer = load_tokenizer(settings["path"])
     session = Session(engine, tokenizer, settings["chat_template"], args.base, "none", None)
     eos, pad = eos_token_ids(model), tokenizer.pad_token_id
     greedy = Sampling(0.0, 0, 1.0, "greedy")
     runners: dict[str, Callable] = {"ar": engine_turn(Engine(model, NoDrafter())), "hf": hf_turn(HFRunner(model, eos, pad, greedy))}
     if "medusa" in peers:
-        drafter = DRAFTER_BUILDERS["medusa"](Path(args.heads), model, DrafterOptions(tree=cartesian_paths(choices)), device)
-        runners["ours_medusa"] = engine_turn(Engine(model, drafter))
+        ours = attach(resolve(args.heads, args.base), model, LoadOptions(tree=cartesian_paths(choices)))
+        drafter = ours.drafter
+        runners["ours_medusa"] = engine_turn(ours)
         record["config"]["tree_nodes"] = drafter.tree.num_nodes if hasattr(drafter, "tree") else None
     if "hf_assisted" in peers:
-        drafter = DRAFTER_BUILDERS["draft_model"](Path(args.draft), model, DrafterOptions(draft_stop=args.draft_stop), device)
+        ours = attach(resolve(args.draft, args.base), model, LoadOptions(draft_stop=args.draft_stop))
+        drafter = ours.drafter
         runners["hf_assisted"] = hf_turn(HFRunner(model, eos, pad, greedy, {"assistant_model": drafter.model}))
-        runners["ours_draft"] = engine_turn(Engine(model, drafter))
+        runners["ours_draft"] = engine_turn(ours)
         record["config"]["hf_assisted"] = {"draft": args.draft, **assisted_settings(drafter.model)}
     if "hf_pld" in peers:
         pld = build_from_spec("prompt_lookup", model)

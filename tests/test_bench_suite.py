@@ -89,3 +89,19 @@ def test_only_picks_methods_and_names_unknown_ones(data_dir, tmp_path, capsys):
     plan = write_plan(tmp_path, "methods: {a: --drafter prompt_lookup}")
     assert main([str(plan), "--only", "b", "--out", str(tmp_path / "out")]) == 2
     assert "--only b: not a method of" in capsys.readouterr().err
+
+
+def test_methods_share_the_baselines_target_when_it_is_the_same(models):
+    from inference.cli import build_parser
+    from inference.session import open_session
+
+    def args(*flags):
+        return build_parser().parse_args(["generate", "--prompt", "x", "--base", str(models["target"]), *flags])
+
+    base = open_session(args("--dtype", "fp32"))
+    pld = open_session(args("--dtype", "fp32", "--drafter", "prompt_lookup"), share=base)
+    draft = open_session(args("--dtype", "fp32", "--drafter", str(models["draft"])), share=base)
+    assert pld.engine.model is base.engine.model and draft.engine.model is base.engine.model
+    assert draft.engine.drafter.model is not base.engine.model  # the draft model is its own
+    other = open_session(args("--dtype", "bf16", "--drafter", "prompt_lookup"), share=base)
+    assert other.engine.model is not base.engine.model  # another dtype: another copy

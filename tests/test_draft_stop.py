@@ -214,9 +214,9 @@ def test_draft_stop_is_refused_where_it_does_not_apply(stopper_run):
     from inference.api import load
 
     target, out, _ = stopper_run
-    with pytest.raises(ValueError, match="draft_stop= needs a draft model"):
+    with pytest.raises(ValueError, match=r"draft_stop= does not apply to plain decoding \(no drafter\); it applies to draft_model"):
         load(base=str(target), dtype="fp32", draft_stop="fixed")
-    with pytest.raises(ValueError, match="takes no tree=, draft_stop= or head_vocab="):
+    with pytest.raises(ValueError, match="draft_stop= does not apply to drafter 'prompt_lookup'"):
         load("prompt_lookup", base=str(target), dtype="fp32", draft_stop="fixed")
     with pytest.raises(StopSpecError, match="has no stopper"):
         load(str(out / "draft"), base=str(target), dtype="fp32", draft_stop="learned")

@@ -1,4 +1,7 @@
-"""The one `name:key=value` parser and the one test that tells a registered drafter name from a path."""
+"""The one `name:key=value` parser, the one test that tells a registered drafter name from a path, and the one
+registry's option checks (inference.registry: what `load` and the command line both refuse before a model loads)."""
+
+import json
 
 import pytest
 
@@ -6,7 +9,8 @@ from data.errors import UsageError
 from inference.drafter_spec import DrafterSpec
 from inference.jacobi import JacobiOptions
 from inference.session import drafter_spec
-from inference.training_free import NAMED_DRAFTERS, build_from_spec, named_spec
+from inference.registry import API, CLI, DRAFTERS, LoadOptions, build_from_spec, named_spec, resolve, spec_names
+from models.checkpoint import CheckpointError
 
 
 def test_parse_and_render_round_trip():
@@ -32,7 +36,8 @@ def test_command_line_pairs_append_to_the_spec():
 
 
 def test_a_name_is_a_drafter_unless_a_path_holds_it(tmp_path, monkeypatch):
-    assert set(NAMED_DRAFTERS) == {"jacobi", "lookahead", "prompt_lookup"}
+    assert spec_names() == ["none", "jacobi", "lookahead", "prompt_lookup"]
+    assert {n for n, k in DRAFTERS.items() if k.checkpoint} == {"medusa", "draft_model", "cllm"}
     assert named_spec("lookahead:draft_nodes=31") == DrafterSpec("lookahead", (("draft_nodes", "31"),))
     assert named_spec("builtin:tiny") is None and named_spec(None) is None
     monkeypatch.chdir(tmp_path)
@@ -46,3 +51,60 @@ def test_every_reader_uses_the_same_parser():
     assert drafter.options == JacobiOptions(block_size=4)
     with pytest.raises(UsageError, match="unknown drafter 'medusa'"):
         build_from_spec("medusa")
+
+
+def test_resolve_tells_every_kind_of_argument_apart(tmp_path):
+    assert resolve(None, "builtin:tiny").type == "none" and resolve("none", "builtin:tiny").type == "none"
+    looked = resolve("lookahead:draft_nodes=31", "builtin:tiny")
+    assert looked.type == "lookahead" and looked.spec.options == (("draft_nodes", "31"),)
+    plain = resolve("builtin:tiny-draft", "builtin:tiny")
+    assert plain.type == "draft_model" and plain.plain_model and plain.path is not None
+    ckpt = tmp_path / "heads"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"drafter_type": "medusa", "base_model_name_or_path": "builtin:tiny"}))
+    heads = resolve(str(ckpt))
+    assert heads.type == "medusa" and heads.base == "builtin:tiny"  # the checkpoint's base by default
+    assert resolve(str(ckpt), "other").base == "other"
+
+
+@pytest.mark.parametrize("drafter, base, naming, message", [
+    (None, None, API, "no drafter: needs a base model; pass base= "),
+    ("prompt_lookup", None, CLI, "--drafter prompt_lookup: needs a base model; pass --base "),
+    ("outputs/no/such/dir", "builtin:tiny", CLI, "--drafter outputs/no/such/dir: no such checkpoint or model "
+                                                 "directory, and not a registered drafter (none, jacobi, lookahead"),
+])
+def test_resolve_failures_are_one_line_naming_the_argument(drafter, base, naming, message):
+    with pytest.raises(UsageError) as err:
+        resolve(drafter, base, naming)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_an_unserved_type_names_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"drafter_type": "lookahead", "base_model_name_or_path": "b"}))
+    with pytest.raises(CheckpointError, match=r"config\.json: drafter_type 'lookahead' is not served \(known: cllm, "
+                                               r"draft_model, medusa\)"):
+        resolve(str(tmp_path))
+
+
+@pytest.mark.parametrize("drafter, options, message", [
+    (None, LoadOptions(tree="chain"), "--tree does not apply to plain decoding (no drafter); it applies to "
+                                      "draft_model, medusa"),
+    ("lookahead", LoadOptions(draft_stop="fixed"), "--draft-stop does not apply to drafter 'lookahead'; it applies "
+                                                   "to draft_model"),
+    ("builtin:tiny-draft", LoadOptions(head_vocab=64), "--head-vocab does not apply to a plain causal LM (a draft "
+                                                       "model); it applies to medusa"),
+    ("jacobi:n=4", LoadOptions(tree="chain:3"), "--tree does not apply to drafter 'jacobi'"),
+])
+def test_each_type_refuses_the_options_it_does_not_take(drafter, options, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(drafter, "builtin:tiny", CLI).check(options, CLI)
+
+
+def test_option_values_are_checked_before_a_model_loads(tmp_path):
+    plain = resolve("builtin:tiny-draft", "builtin:tiny")
+    with pytest.raises(UsageError, match="has no stopper"):
+        plain.check(LoadOptions(draft_stop="learned"))
+    plain.check(LoadOptions(tree="chain:3", draft_stop="confidence:0.4"))  # accepted: nothing raised
+    (tmp_path / "config.json").write_text(json.dumps({"drafter_type": "medusa", "base_model_name_or_path": "b"}))
+    with pytest.raises(CheckpointError, match="token_counts.safetensors: missing"):
+        resolve(str(tmp_path)).check(LoadOptions(head_vocab=64))

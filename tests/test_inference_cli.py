@@ -207,7 +207,7 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "source": (("build-tree", "--drafter", assets["ckpt"], "--source", "oracle"), "--source"),
         "head_vocab": ((*gen, "--prompt", "x", "--head-vocab", "8"), "token_counts.safetensors: missing"),
         "head_vocab_type": (("generate", "--drafter", "jacobi", "--base", assets["model"], "--prompt", "x",
-                             "--head-vocab", "8"), "--head-vocab applies to Medusa heads"),
+                             "--head-vocab", "8"), "--head-vocab does not apply to drafter 'jacobi'; it applies to medusa"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

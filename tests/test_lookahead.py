@@ -227,7 +227,7 @@ def test_lookahead_sampling_matches_the_target_distribution(tiny_lm_factory):
 
 def test_options_and_api(tmp_path, tiny_lm_factory):
     from inference.api import load
-    from inference.training_free import build_from_spec
+    from inference.registry import build_from_spec
 
     drafter = build_from_spec("lookahead:draft_nodes=31,branch_length=10,prompt_weight=3")
     assert (drafter.draft_nodes, drafter.branch_length, drafter.prompt_weight) == (31, 10, 3.0)
@@ -246,7 +246,7 @@ def test_options_and_api(tmp_path, tiny_lm_factory):
     prompts = repetitive_prompts(8, 2)
     out = engine.generate(prompts, max_new_tokens=12, ignore_eos=True)
     assert out.sequences == [plain_greedy(model, p, 12) for p in prompts]
-    with pytest.raises(ValueError, match="needs base="):
+    with pytest.raises(ValueError, match="load: drafter lookahead: needs a base model; pass base="):
         load("lookahead")
-    with pytest.raises(ValueError, match="takes no tree="):
+    with pytest.raises(ValueError, match="tree= does not apply to drafter 'lookahead'"):
         load("lookahead", base=str(base), tree="chain")

@@ -88,7 +88,7 @@ def test_prompt_lookup_greedy_equals_plain_greedy_batched(tiny_lm_factory, arch)
 def test_api_and_cli_spec(tmp_path, tiny_lm_factory):
     from inference.api import load
     from inference.session import drafter_spec
-    from inference.training_free import build_from_spec
+    from inference.registry import build_from_spec
 
     model = tiny_lm_factory("llama")
     base = tmp_path / "base"

@@ -56,7 +56,7 @@ def test_collection_resumes_and_reproduces_greedy(setup, single_thread, capsys):
     prompts = [r["prompt_ids"] for r in records[:3]]
     assert (jacobi.generate(prompts, max_new_tokens=10, ignore_eos=True).sequences
             == engine.generate(prompts, max_new_tokens=10, ignore_eos=True).sequences)
-    with pytest.raises(ValueError, match="needs base="):
+    with pytest.raises(ValueError, match="needs a base model; pass base="):
         load("jacobi")
 
 

@@ -1,0 +1,261 @@
+"""Every drafter the engine serves, in one registry, and the one place that tells what a drafter argument names.
+
+    a draftsmith checkpoint directory   its config.json's "drafter_type": medusa, draft_model, cllm
+    a plain causal LM                   a model directory, builtin:<name> or early_exit:<model>:<N>: a draft_model
+    a spec "name[:key=value,...]"       a drafter without a checkpoint: jacobi, lookahead, prompt_lookup
+    None or "none"                      plain autoregressive decoding through the same loop
+
+`resolve` reads at most a config.json (no model loads) and returns a `DrafterRequest`; `DrafterRequest.check`
+refuses, in one line, a load option the drafter's type does not take (before any model loads); `DrafterRequest.build`
+makes the Drafter for a loaded target. `inference.api.load` and the command line (`inference.session`) both go
+through here, each naming the arguments its own way (`tree=` or `--tree`, see `Naming`). A new drafter type adds one
+`DRAFTERS` entry.
+
+    load("prompt_lookup", base=...)
+    load("lookahead:draft_nodes=31,branch_length=10", base=...)
+    load("jacobi:n=32,init=pad", base=...)           # Jacobi decoding of the target itself
+    python -m inference generate --drafter lookahead --drafter-option draft_nodes=31 ...
+
+Specs are parsed once (inference.drafter_spec). lookahead's and prompt_lookup's option names are their constructor
+keywords, values converted to the type of the keyword's default; jacobi takes n (block size), init and seed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from data.errors import UsageError
+from inference.devices import output_device
+from inference.draft_model import build_draft_model_drafter, checkpoint_stopper, is_plain_model
+from inference.draft_stop import check_stop_spec
+from inference.drafter_spec import DrafterSpec
+from inference.drafters import Drafter, MedusaDrafter, NoDrafter
+from inference.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
+from inference.lookahead import LookaheadDrafter
+from inference.prompt_lookup import PromptLookupDrafter
+from inference.tree import load_tree
+from models.checkpoint import (
+    CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
+)
+
+MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
+OPTIONAL = ("tree", "draft_stop", "head_vocab")  # the load options a drafter type may not take
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What `load` passes every builder; `DrafterRequest.check` has refused the ones the type does not take."""
+
+    tree: Any = None  # tree drafters: a tree spec (inference.tree.load_tree); draft models: "chain:<n>" etc.
+    topk: int = MEDUSA_TOPK
+    draft_stop: str | None = None  # draft models only (inference.draft_stop)
+    head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How an error message names each argument: `API` for inference.api.load, `CLI` for the command line."""
+
+    drafter: str
+    base: str
+    tree: str
+    draft_stop: str
+    head_vocab: str
+
+
+API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=")
+CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab")
+
+
+@dataclass(frozen=True)
+class DrafterRequest:
+    """A drafter argument, resolved without loading a model. `type` is a key of DRAFTERS."""
+
+    type: str
+    label: str  # the argument as given ("none" for no drafter)
+    base: str  # the model to decode: as given, else the checkpoint's base_model_name_or_path
+    spec: DrafterSpec | None = None  # drafters named by a spec
+    path: Path | None = None  # checkpoints and plain causal LMs
+    config: dict[str, Any] | None = None  # the checkpoint's config.json (a plain causal LM: a draft_model entry)
+
+    @property
+    def plain_model(self) -> bool:
+        return self.type == "draft_model" and self.config is not None and "draft_model_path" in self.config
+
+    def describe(self) -> str:
+        if self.type == "none":
+            return "plain decoding (no drafter)"
+        if self.spec is not None:
+            return f"drafter {self.type!r}"
+        return "a plain causal LM (a draft model)" if self.plain_model else f"drafter_type {self.type!r}"
+
+    def check(self, options: LoadOptions, naming: Naming = API) -> None:
+        """Refuse, in one line, an option this type does not take or a value it cannot use; reads at most small
+        files of the checkpoint (its stopper entry, its token counts)."""
+        kind = DRAFTERS[self.type]
+        for name in OPTIONAL:
+            if getattr(options, name) is not None and name not in kind.takes:
+                takers = sorted(t for t, k in DRAFTERS.items() if name in k.takes)
+                raise UsageError(f"{getattr(naming, name)} does not apply to {self.describe()}; it applies to "
+                                 f"{', '.join(takers)}")
+        if options.draft_stop is not None:
+            has_stopper = self.path is not None and checkpoint_stopper(self.path)[0] is not None
+            check_stop_spec(options.draft_stop, has_stopper)
+        if options.head_vocab is not None:
+            read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
+
+    def build(self, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
+        """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings')."""
+        return DRAFTERS[self.type].build(self, model, options, device)
+
+
+@dataclass(frozen=True)
+class DrafterType:
+    build: Callable[[DrafterRequest, torch.nn.Module, LoadOptions, torch.device], Drafter]
+    takes: frozenset[str] = frozenset()  # which of OPTIONAL it takes
+    checkpoint: bool = False  # named by a checkpoint's drafter_type; else by a spec
+
+
+# -- builders -----------------------------------------------------------------------------------------------------
+
+def _none(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
+    if request.spec is not None and request.spec.options:
+        raise UsageError(f"drafter spec {str(request.spec)!r}: plain decoding takes no options")
+    return NoDrafter()
+
+
+def _medusa(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
+    """Heads on the lm_head's device (they read the same final hidden state), the tree on the input `device`;
+    `head_vocab` keeps the S most frequent tokens of the heads' training data (the checkpoint's token_counts)."""
+    loaded = load_drafter(request.path, device=output_device(model), dtype=model.get_input_embeddings().weight.dtype)
+    check_compatible(loaded.config, model.config)
+    buffers = load_tree(options.tree, num_heads=loaded.heads.config.num_heads, topk=options.topk, device=device)
+    base_lm_head = model.get_output_embeddings() if loaded.heads.config.share_lm_head else None
+    vocab = None if options.head_vocab is None else head_vocabulary(request.path, options.head_vocab, buffers.topk)
+    return MedusaDrafter(loaded.heads, buffers, base_lm_head, vocab)
+
+
+def _draft_model(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device
+                 ) -> Drafter:
+    return build_draft_model_drafter(request.path, model, options.tree, options.topk, device, options.draft_stop)
+
+
+def _cllm(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
+    """A "cllm" checkpoint: the fine-tuned target (its backbone, loaded by `load`) decoded by Jacobi iteration with
+    the block size and initialisation it was trained for (config.json "block_size", "init")."""
+    config = request.config
+    jacobi = JacobiOptions(block_size=int(config.get("block_size", DEFAULT_BLOCK_SIZE)), init=config.get("init", "random"))
+    return JacobiDrafter(jacobi, pad_token_id=model.config.pad_token_id or 0)
+
+
+def _jacobi(request: DrafterRequest, model: torch.nn.Module | None, options: LoadOptions | None = None,
+            device: torch.device | None = None) -> Drafter:
+    pad = 0 if model is None else model.config.pad_token_id or 0
+    return JacobiDrafter(JacobiOptions.from_spec(request.spec), pad_token_id=pad)
+
+
+# Drafters whose spec options are their constructor's keywords (they read only token ids).
+KEYWORD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
+    "lookahead": LookaheadDrafter,
+    "prompt_lookup": PromptLookupDrafter,
+}
+
+
+def build_training_free(name: str, options: Mapping[str, str]) -> Drafter:
+    """Drafter `name` of KEYWORD_DRAFTERS with `options` (key -> text). Unknown names, unknown keys and unparsable
+    values raise UsageError naming the drafter and the key."""
+    if name not in KEYWORD_DRAFTERS:
+        raise UsageError(f"unknown training-free drafter {name!r} (known: {', '.join(sorted(KEYWORD_DRAFTERS))})")
+    params = inspect.signature(KEYWORD_DRAFTERS[name]).parameters
+    kwargs = {}
+    for key, text in options.items():
+        if key not in params:
+            raise UsageError(f"{name}: unknown option {key!r} (known: {', '.join(params)})")
+        kind = type(params[key].default)
+        try:
+            kwargs[key] = kind(text)
+        except ValueError:
+            raise UsageError(f"{name}: option {key} must be {kind.__name__}, got {text!r}") from None
+    return KEYWORD_DRAFTERS[name](**kwargs)
+
+
+def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: LoadOptions | None = None,
+             device: torch.device | None = None) -> Drafter:
+    return build_training_free(request.spec.name, dict(request.spec.options))
+
+
+DRAFTERS: dict[str, DrafterType] = {
+    "none": DrafterType(_none),
+    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab"}), checkpoint=True),
+    "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
+    "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
+    "jacobi": DrafterType(_jacobi),
+    **{name: DrafterType(_keyword) for name in KEYWORD_DRAFTERS},
+}
+
+
+def spec_names() -> list[str]:
+    """The drafters a spec names ("none" first), for help texts and errors."""
+    return ["none", *sorted(n for n, k in DRAFTERS.items() if not k.checkpoint and n != "none")]
+
+
+# -- resolving an argument ------------------------------------------------------------------------------------------
+
+def named_spec(text: str | Path | None) -> DrafterSpec | None:
+    """The spec when `text` names a registered drafter without a checkpoint (and is not an existing path), else
+    None: the one test that tells a drafter name from a checkpoint or model path."""
+    if not isinstance(text, str) or Path(text).exists():
+        return None
+    name = text.partition(":")[0]
+    if name not in DRAFTERS or DRAFTERS[name].checkpoint or name == "none":
+        return None
+    return DrafterSpec.parse(text)
+
+
+def resolve(drafter: str | Path | None, base: str | None = None, naming: Naming = API) -> DrafterRequest:
+    """What `drafter` names (see the module docstring) and the base model to decode with, reading at most its
+    config.json. Every failure is one line: an unknown name or missing path, a checkpoint that is incomplete or of an
+    unserved type (CheckpointError naming its config.json), or no base model."""
+    label = "none" if drafter is None else str(drafter)
+    spec = named_spec(drafter)
+    if drafter is None or label == "none":
+        request = DrafterRequest("none", label, base or "")
+    elif spec is not None:
+        request = DrafterRequest(spec.name, label, base or "", spec=spec)
+    elif is_plain_model(drafter):  # a causal LM dir or builtin:/early_exit: name, drafting for `base`
+        config = {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": label}
+        request = DrafterRequest("draft_model", label, base or "", path=Path(label), config=config)
+    elif not Path(drafter).exists():
+        raise UsageError(f"{naming.drafter} {label}: no such checkpoint or model directory, and not a registered "
+                         f"drafter ({', '.join(spec_names())})")
+    else:
+        path = Path(drafter)
+        config = read_drafter_config(path)  # raises CheckpointError naming what is missing or malformed
+        kind = DRAFTERS.get(config["drafter_type"])
+        if kind is None or not kind.checkpoint:
+            known = ", ".join(sorted(n for n, k in DRAFTERS.items() if k.checkpoint))
+            raise CheckpointError(f"{path / 'config.json'}: drafter_type {config['drafter_type']!r} is not served "
+                                  f"(known: {known})")
+        request = DrafterRequest(config["drafter_type"], label, base or config.get("base_model_name_or_path") or "",
+                                 path=path, config=config)
+        if not request.base:
+            raise CheckpointError(f"{path / 'config.json'}: no base_model_name_or_path; pass {naming.base}")
+    if not request.base:
+        what = "no drafter" if request.type == "none" else f"{naming.drafter} {label}"
+        role = "the target it drafts for" if request.plain_model else "the model to decode"
+        raise UsageError(f"{what}: needs a base model; pass {naming.base} ({role})")
+    return request
+
+
+def build_from_spec(spec: str | DrafterSpec, model: torch.nn.Module | None = None) -> Drafter:
+    """"name" or "name:key=value,key=value" of a drafter without a checkpoint -> that drafter (`model`: the target,
+    for drafters that read its config)."""
+    spec = DrafterSpec.parse(spec) if isinstance(spec, str) else spec
+    if spec.name not in DRAFTERS or DRAFTERS[spec.name].checkpoint:
+        raise UsageError(f"unknown drafter {spec.name!r} (known: {', '.join(spec_names()[1:])})")
+    return DRAFTERS[spec.name].build(DrafterRequest(spec.name, str(spec), "", spec=spec), model, LoadOptions(), None)
