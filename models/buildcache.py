@@ -43,7 +43,13 @@ def is_complete(path: Path, format_version: int | None = None) -> bool:
 @contextlib.contextmanager
 def atomic_dir(target: Path, format_version: int) -> Iterator[Path]:
     """Yield an empty temp dir beside `target`; on success mark it complete (with `format_version`) and swap it in,
-    replacing `target`."""
+    replacing `target`.
+
+    Why this is not models.checkpoint.atomic_write_dir (which merges files into `target`, config.json last): a cache
+    directory belongs to its build alone, so the whole of it is replaced (a stale or older-recipe build leaves
+    nothing behind); its contents are Hugging Face folders whose config.json is written early, so completion is a
+    separate marker that also records the recipe's `format_version`; and a failed build is an internal error, not a
+    CheckpointError about a user's output folder."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))

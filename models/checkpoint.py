@@ -17,8 +17,11 @@ A drafter checkpoint is a directory:
                            {"format": "merged", "path": "backbone"}       a full `save_pretrained` model + tokenizer.
                            `load_drafter_target` loads the target either way (the base model when there is none).
 
-Writes are atomic at the checkpoint level: files are written to a temporary sibling directory and moved in with
-config.json last; config.json is absent while files are swapped, so a reader never loads a torn checkpoint.
+Every drafter type is written by one writer, `write_checkpoint`: it owns what all checkpoints share (the config.json
+skeleton, the refusal of non-finite weights, tokenizer files, the model card, the backbone subfolder, config.json last)
+and each `save_*` function only describes its own files as a `Payload`. Writes are atomic at the checkpoint level
+(`atomic_write_dir`): files are written to a temporary sibling directory and moved in with config.json last;
+config.json is absent while files are swapped, so a reader never loads a torn checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
@@ -59,11 +63,14 @@ class DrafterMismatchError(UsageError):
 
 @dataclass(frozen=True)
 class BackboneWriter:
-    """A fine-tuned backbone saved with the heads. `write(folder)` fills an empty folder: a peft adapter
-    (`save_pretrained` of a PeftModel) for format "lora_adapter", a full `save_pretrained` model for "merged"."""
+    """A fine-tuned backbone saved with the drafter. `write(folder)` fills an empty folder: a peft adapter
+    (`save_pretrained` of a PeftModel) for format "lora_adapter", a full `save_pretrained` model for "merged".
+    `module`, when given, is the backbone whose parameters `write` stores: they are checked finite before anything
+    is written."""
 
     format: str
     write: Callable[[Path], None]
+    module: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         if self.format not in BACKBONE_DIRS:
@@ -95,6 +102,78 @@ def medusa_config_dict(config: MedusaConfig) -> dict[str, Any]:
     }
 
 
+def _write_nothing(folder: Path) -> None:
+    """The payload of a drafter whose weights are all in the backbone subfolder (CLLM)."""
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What one drafter type adds to the layout every checkpoint shares (see `write_checkpoint`)."""
+
+    drafter_type: str
+    config: dict[str, Any] = field(default_factory=dict)  # type-specific config.json keys
+    weights: Mapping[str, torch.Tensor] = field(default_factory=dict)  # what it stores; non-finite ones are refused
+    write: Callable[[Path], None] = _write_nothing  # writes the type's own files into the (temporary) checkpoint folder
+    tokenizer_dirs: tuple[str, ...] = ()  # subfolders that get the tokenizer files too (the top level always does)
+
+
+def write_checkpoint(
+    output_dir: str | os.PathLike,
+    base_model_name_or_path: str,
+    payload: Payload,
+    tokenizer: Any = None,
+    extra: dict[str, Any] | None = None,
+    backbone: BackboneWriter | None = None,
+) -> Path:
+    """Write a draftsmith checkpoint at `output_dir`, atomically (`atomic_write_dir`), and return its path.
+
+    Before anything is written: CheckpointError when a tensor of `payload.weights` or a parameter of
+    `backbone.module` is non-finite. Then, in a temporary folder: the payload's files, the tokenizer files (top level
+    and `payload.tokenizer_dirs`), the backbone subfolder, README.md (model card), config.json last. config.json is
+    `payload.config` plus the skeleton every type shares: drafter_type, base_model_name_or_path, draftsmith_version,
+    "training" (`extra`, when given) and "backbone" ({"format", "path"}, when given); skeleton keys win over the
+    payload's. A storage failure is a CheckpointError; on any failure `output_dir` keeps its previous checkpoint.
+    """
+    output_dir = Path(output_dir)
+    refuse_non_finite(output_dir, payload.weights)
+    if backbone is not None and backbone.module is not None:
+        refuse_non_finite(output_dir, dict(backbone.module.named_parameters()))
+    config = {
+        **payload.config,
+        "drafter_type": payload.drafter_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "draftsmith_version": draftsmith_version(),
+    }
+    if extra:
+        config["training"] = extra
+    if backbone is not None:
+        config["backbone"] = {"format": backbone.format, "path": BACKBONE_DIRS[backbone.format]}
+
+    def write(tmp: Path) -> None:
+        payload.write(tmp)
+        if tokenizer is not None:
+            for folder in (*payload.tokenizer_dirs, "."):
+                tokenizer.save_pretrained(str(tmp / folder))
+        if backbone is not None:
+            folder = tmp / BACKBONE_DIRS[backbone.format]
+            folder.mkdir()
+            backbone.write(folder)
+        (tmp / "README.md").write_text(model_card(config))
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    atomic_write_dir(output_dir, write)
+    return output_dir
+
+
+def refuse_non_finite(output_dir: Path, weights: Mapping[str, torch.Tensor]) -> None:
+    """CheckpointError naming the first non-finite floating-point tensors (NaN/inf from a diverged run): a checkpoint
+    that loads fine and drafts garbage is worse than none. Tensors on the meta device (offloaded) hold no values."""
+    bad = [name for name, t in weights.items()
+           if t.is_floating_point() and t.device.type != "meta" and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"{output_dir}: refusing to save non-finite weights ({', '.join(bad[:3])})")
+
+
 def save_drafter(
     output_dir: str | os.PathLike,
     heads: MedusaHeads,
@@ -107,21 +186,7 @@ def save_drafter(
     """Write `heads` as a draftsmith checkpoint at `output_dir`, atomically. `extra` lands in config.json under
     "training" and feeds the model card; `backbone` (Medusa-2) adds the fine-tuned backbone's subfolder;
     `token_counts` [V] (training label frequencies) becomes token_counts.safetensors. Returns the checkpoint path."""
-    output_dir = Path(output_dir)
-    config = {
-        **medusa_config_dict(heads.config),
-        "base_model_name_or_path": base_model_name_or_path,
-        "draftsmith_version": draftsmith_version(),
-    }
-    if extra:
-        config["training"] = extra
-    if backbone is not None:
-        config["backbone"] = {"format": backbone.format, "path": BACKBONE_DIRS[backbone.format]}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in heads.state_dict().items()}
-    bad = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise CheckpointError(f"{output_dir}: refusing to save non-finite weights ({', '.join(bad[:3])})")
-
     if token_counts is not None and token_counts.shape != (heads.config.vocab_size,):
         raise CheckpointError(f"{output_dir}: token_counts has shape {tuple(token_counts.shape)}, expected "
                               f"({heads.config.vocab_size},)")
@@ -131,17 +196,9 @@ def save_drafter(
         if token_counts is not None:
             save_file({"counts": token_counts.detach().to("cpu", torch.int64).contiguous()},
                       str(tmp / TOKEN_COUNTS_NAME), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if backbone is not None:
-            folder = tmp / BACKBONE_DIRS[backbone.format]
-            folder.mkdir()
-            backbone.write(folder)
-        (tmp / "README.md").write_text(model_card(config))
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    atomic_write_dir(output_dir, write)
-    return output_dir
+    payload = Payload("medusa", medusa_config_dict(heads.config), tensors, write)
+    return write_checkpoint(output_dir, base_model_name_or_path, payload, tokenizer, extra, backbone)
 
 
 def save_model_drafter(
@@ -156,31 +213,11 @@ def save_model_drafter(
     """Write a drafter whose weights ARE the fine-tuned target (CLLM: Jacobi decoding needs no extra module),
     atomically: config.json ({"drafter_type", ..., **settings, "backbone"}), the backbone subfolder, tokenizer files
     and the model card; no drafter.safetensors. `load_drafter_target` loads the model back."""
-    output_dir = Path(output_dir)
-    config = {
-        **(settings or {}),
-        "drafter_type": drafter_type,
-        "base_model_name_or_path": base_model_name_or_path,
-        "draftsmith_version": draftsmith_version(),
-        "backbone": {"format": backbone.format, "path": BACKBONE_DIRS[backbone.format]},
-    }
-    if extra:
-        config["training"] = extra
-
-    def write(tmp: Path) -> None:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        folder = tmp / BACKBONE_DIRS[backbone.format]
-        folder.mkdir()
-        backbone.write(folder)
-        (tmp / "README.md").write_text(model_card(config))
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-    atomic_write_dir(output_dir, write)
-    return output_dir
+    payload = Payload(drafter_type, dict(settings or {}))
+    return write_checkpoint(output_dir, base_model_name_or_path, payload, tokenizer, extra, backbone)
 
 
-def atomic_write_dir(target: Path, write) -> None:
+def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> None:
     """Call write(tmp_dir) on a fresh temporary sibling of `target`, then move its files into `target`.
 
     config.json is the completion marker: it is removed from `target` before any file is replaced and moved in
@@ -189,6 +226,13 @@ def atomic_write_dir(target: Path, write) -> None:
     (the old one is moved into the temporary directory and deleted with it). A storage failure (disk full, read-only,
     a file in the way) raises CheckpointError and leaves no temporary directory; `target` is created only once
     everything was written.
+
+    Why this is not models.buildcache.atomic_dir (which swaps a whole directory in and marks it with its own file):
+    a checkpoint's `target` is shared (a run's output folder also holds Hydra logs and trainer checkpoints/), so it
+    is merged into, never replaced; its marker is config.json, which every reader of the format already requires
+    (`read_drafter_config`), while a cache build is a Hugging Face folder whose config.json exists early in the
+    build; and a failed checkpoint write is a user-facing error (CheckpointError naming the folder), a failed cache
+    build an internal one.
     """
     in_the_way = next((p for p in (target, *target.parents) if p.exists()), None)
     if in_the_way is not None and not in_the_way.is_dir():
@@ -327,25 +371,12 @@ def save_draft_model(
     model and tokenizer in `draft/`, the tokenizer also at the top level, and optionally its draft-length decision
     model (a models.stopper.StopperModel with its `stopper_entry` config). Refuses non-finite weights. Given the
     `target`, the draft's embedding / lm_head tensors equal to the target's are not written (`shared_with_target`)."""
-    output_dir = Path(output_dir)
     state = model.state_dict()
-    bad = [n for n, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise CheckpointError(f"{output_dir}: refusing to save non-finite weights ({', '.join(bad[:3])})")
     shared = shared_with_target(model, target) if target is not None else {}
-    config = {
-        "drafter_type": "draft_model",
-        "base_model_name_or_path": base_model_name_or_path,
-        "draftsmith_version": draftsmith_version(),
-        "draft_model": {"path": DRAFT_MODEL_DIR, "model_type": model.config.model_type},
-        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
-    }
-    if shared:
-        config["draft_model"][SHARED_KEY] = shared
-    if extra:
-        config["training"] = extra
-    if stopper is not None:
-        config["stopper"] = stopper_config
+    spec = {"path": DRAFT_MODEL_DIR, "model_type": model.config.model_type, **({SHARED_KEY: shared} if shared else {})}
+    config = {"draft_model": spec, "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+              **({"stopper": stopper_config} if stopper is not None else {})}
+    weights = {**state, **({f"stopper.{k}": v for k, v in stopper.state_dict().items()} if stopper is not None else {})}
 
     def write(tmp: Path) -> None:
         if shared:  # marked in draft/config.json too, so loading the bare folder fails instead of drafting garbage
@@ -359,14 +390,9 @@ def save_draft_model(
             model.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
         if stopper is not None:
             save_stopper(tmp, stopper)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / DRAFT_MODEL_DIR))
-            tokenizer.save_pretrained(str(tmp))
-        (tmp / "README.md").write_text(model_card(config))
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    atomic_write_dir(output_dir, write)
-    return output_dir
+    payload = Payload("draft_model", config, weights, write, tokenizer_dirs=(DRAFT_MODEL_DIR,))
+    return write_checkpoint(output_dir, base_model_name_or_path, payload, tokenizer, extra)
 
 
 SHARED_KEY = "shared_with_target"

@@ -22,6 +22,10 @@ vLLM layout (vllm/model_executor/models/medusa.py, vllm/transformers_utils/confi
                        lm_heads.{k}.weight [V, D] (with original_lm_head: lm_heads.0.weight only)
 vLLM's config loader renames every key holding "num" and "heads" to num_heads ("num" and "layers" to
 num_hidden_layers), so the exported config holds no other such key.
+
+An imported checkpoint is a draftsmith one: `convert_medusa` writes it through models.checkpoint's one writer
+(`save_drafter`). The exports write foreign layouts: they share only its atomic primitive, `atomic_write_dir`
+(config.json last), not its config skeleton or model card.
 """
 
 from __future__ import annotations

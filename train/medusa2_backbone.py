@@ -98,9 +98,10 @@ def original_model(backbone: nn.Module, load_original: Callable[[], nn.Module]) 
 def backbone_writer(backbone: nn.Module, tokenizer: Any, load_base: Callable[[], nn.Module] | None = None) -> BackboneWriter:
     """How save_drafter stores the backbone. LoRA: the adapter (format "lora_adapter"), or, when `load_base` is given,
     the adapter merged into a freshly loaded unquantized base (`load_base()`), saved whole ("merged"). Full fine-tuning:
-    the model whole ("merged"). A merged folder also gets the tokenizer, so it loads on its own."""
+    the model whole ("merged"). A merged folder also gets the tokenizer, so it loads on its own. The checkpoint writer
+    refuses a backbone with non-finite parameters (`module`)."""
     if is_lora(backbone) and load_base is None:
-        return BackboneWriter("lora_adapter", lambda folder: backbone.save_pretrained(str(folder)))
+        return BackboneWriter("lora_adapter", lambda folder: backbone.save_pretrained(str(folder)), module=backbone)
 
     def write_merged(folder: Path) -> None:
         model = merged_copy(backbone, load_base()) if is_lora(backbone) else backbone
@@ -108,7 +109,7 @@ def backbone_writer(backbone: nn.Module, tokenizer: Any, load_base: Callable[[],
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder))
 
-    return BackboneWriter("merged", write_merged)
+    return BackboneWriter("merged", write_merged, module=backbone)
 
 
 def merged_copy(backbone: nn.Module, base: nn.Module) -> nn.Module:
