@@ -168,3 +168,33 @@ def test_bad_arguments_fail_in_one_line(tmp_path, args, message):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "venvs").exists()
+
+
+def test_build_ours_serves_every_method_on_one_target_losslessly(tmp_path):
+    """The script's own side (no peer venv): every runner of ours and of Hugging Face on one tiny target, the heads
+    and draft checked and served the way a real run serves them, each greedy answer equal to our plain loop's."""
+    from tests.model_support import save_tiny_model
+    from tests.test_early_exit import load_script
+
+    script = load_script("bench_peers")
+    target = save_tiny_model(tmp_path / "target", seed=0, initializer_range=0.2)
+    draft = save_tiny_model(tmp_path / "draft", seed=1, initializer_range=0.2)
+    config = json.loads((target / "config.json").read_text())
+    torch.manual_seed(5)
+    heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=config["hidden_size"],
+                                     vocab_size=config["vocab_size"]))
+    save_drafter(tmp_path / "heads", heads, base_model_name_or_path=str(target))
+    args = script.parse_args(["--base", str(target), "--heads", str(tmp_path / "heads"), "--medusa-choices", "1,2,2",
+                              "--draft", str(draft), "--dtype", "fp32", "--peers", "medusa,hf_assisted,hf_pld"])
+    peers, choices = script.check_args(args)
+    record = {"config": {}}
+    runners, session = script.build_ours(args, peers, choices, record)
+    assert set(runners) == {"ar", "hf", "ours_medusa", "hf_assisted", "ours_draft", "hf_pld", "ours_pld"}
+    assert record["config"]["tree_nodes"] == 1 + 2 + 2 * 2  # the cartesian tree of 1,2,2
+    prompt = session.tokenizer("the cat sat on the mat and the cat")["input_ids"]
+    reference = runners["ar"](prompt, 10)
+    assert len(reference["tokens"]) > 0 and reference["forwards"] >= 1
+    for name, run in runners.items():
+        turn = run(prompt, 10)
+        assert turn["tokens"] == reference["tokens"], name
+        assert turn["wall"] > 0 and turn["forwards"] >= 1
