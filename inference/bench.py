@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -247,36 +248,75 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
 
 class ProgressLog:
     """tqdm's `update` / `close` for logs: a line on `stream` when at least `interval` seconds passed since the
-    last one (and at the end), with the elapsed time and an estimate of the time left."""
+    last one (and at the end), with the elapsed time and an estimate of the time left. `now` names the work in
+    progress; with `heartbeat`, a daemon thread prints a line naming it when an answer takes longer than `interval`
+    (one answer of a slow method can take minutes)."""
 
     def __init__(self, total: int, desc: str, interval: float = PROGRESS_INTERVAL_S, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, heartbeat: bool = False) -> None:
         self.total, self.desc, self.interval, self.clock = total, desc, interval, clock
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0
+        self.now = ""
         self.start = self.last = clock()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        if heartbeat:
+            threading.Thread(target=self._beat_forever, name=f"{desc}-progress", daemon=True).start()
 
     def update(self, n: int = 1) -> None:
-        self.done += n
-        now = self.clock()
-        if now - self.last >= self.interval or self.done == self.total:
-            elapsed = now - self.start
-            eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-            print(f"{self.desc}: {self.done}/{self.total} answers, {elapsed:.0f} s elapsed, ETA {eta:.0f} s",
-                  file=self.stream, flush=True)
-            self.last = now
+        with self._lock:
+            self.done += n
+            now = self.clock()
+            if now - self.last >= self.interval or self.done == self.total:
+                self._print(now)
+
+    def beat(self) -> None:
+        """A line when none was printed for `interval` seconds (the heartbeat thread calls this)."""
+        with self._lock:
+            now = self.clock()
+            if now - self.last >= self.interval and self.done < self.total:
+                self._print(now)
+
+    def _print(self, now: float) -> None:
+        elapsed = now - self.start
+        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        doing = f"; now: {self.now}" if self.now and self.done < self.total else ""
+        print(f"{self.desc}: {self.done}/{self.total} answers, {elapsed:.0f} s elapsed, ETA {eta:.0f} s{doing}",
+              file=self.stream, flush=True)
+        self.last = now
+
+    def _beat_forever(self) -> None:
+        while not self._closed.wait(self.interval / 4):
+            self.beat()
 
     def close(self) -> None:
-        pass
+        self._closed.set()
 
 
 def progress_bar(total: int, desc: str) -> Any:
-    """tqdm on a terminal; on a log (stderr not a TTY) a plain line at least every PROGRESS_INTERVAL_S seconds."""
+    """tqdm on a terminal; on a log (stderr not a TTY) a plain line at least every PROGRESS_INTERVAL_S seconds,
+    answers finished or not. Callers may set `.now` (what is running) on either."""
     if sys.stderr.isatty():
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc=desc, unit="answer", file=sys.stderr)
-    return ProgressLog(total, desc)
+    return ProgressLog(total, desc, heartbeat=True)
+
+
+def set_now(progress: Any, text: str) -> None:
+    """Name the work in progress: the log's heartbeat line, or tqdm's postfix on a terminal."""
+    if isinstance(progress, ProgressLog):
+        progress.now = text
+    else:
+        progress.set_postfix_str(text, refresh=False)
+
+
+def warm_up(label: str, run: Callable[[], Any]) -> None:
+    """One method's warm-up generations (first calls pay for lazy initialisation), announced: they can take a
+    while before the first progress line."""
+    print(f"warm-up: {label}", file=sys.stderr, flush=True)
+    run()
 
 
 def run_all(session: Any, runners: dict[str, Runner], questions: list[Question], args: argparse.Namespace
@@ -289,14 +329,16 @@ def run_all(session: Any, runners: dict[str, Runner], questions: list[Question],
 
     num_turns = 1 if args.turns == "first" else max(len(q.turns) for q in questions)
     warm_ids = encode([{"role": "user", "content": questions[0].turns[0]}])
-    for runner in runners.values():
-        for i in range(args.warmup):
-            runner(warm_ids, min(WARMUP_TOKENS, args.max_new_tokens), args.seed + i)
+    for name, runner in runners.items():
+        if args.warmup:
+            warm_up(name, lambda r=runner: [r(warm_ids, min(WARMUP_TOKENS, args.max_new_tokens), args.seed + i)
+                                            for i in range(args.warmup)])
     answers: dict[str, list[Answer]] = {name: [] for name in runners}
     order = list(runners)
     progress = progress_bar(len(questions) * len(order), "bench")
     for qi, question in enumerate(questions):
         for name in order[qi % len(order):] + order[: qi % len(order)]:  # rotate who goes first
+            set_now(progress, f"{name} on question {question.question_id}")
             answers[name].append(answer(runners[name], question, num_turns, encode, decode, args.max_new_tokens,
                                         args.seed + 1000 * qi))
             progress.update(1)

@@ -36,7 +36,7 @@ import yaml
 from inference.api import Engine
 from inference.bandwidth import copy_bandwidth, weight_bytes
 from inference.bench import (WARMUP_TOKENS, answer, answer_record, check_bench_args, greedy_judge, hf_options,
-                             progress_bar, run_config, write_atomic)
+                             progress_bar, run_config, set_now, warm_up, write_atomic)
 from inference.bench_methods import BASELINES, EngineRunner, Runner, Sampling, build_runners
 from inference.benchstats import Answer, bandwidth_floor, format_table, summarize
 from data.errors import UsageError
@@ -228,8 +228,9 @@ def run_questions(loaded: Loaded, questions: list[Question], args: argparse.Name
     """Every entry answers every question it takes, question by question, the order rotating."""
     for e in loaded.entries:  # warm-up: first calls pay for lazy initialisation
         warm = encode_messages(e.session, [{"role": "user", "content": questions[0].turns[0]}])
-        for i in range(args.warmup):
-            e.runner(warm, min(WARMUP_TOKENS, args.max_new_tokens), args.seed + i)
+        if args.warmup:
+            warm_up(e.label, lambda e=e: [e.runner(warm, min(WARMUP_TOKENS, args.max_new_tokens), args.seed + i)
+                                          for i in range(args.warmup)])
     answers: dict[str, dict[int, Answer]] = {e.label: {} for e in loaded.entries}
     total = sum(e.takes(q) for q in questions for e in loaded.entries)
     progress = progress_bar(total, "bench-suite")
@@ -238,6 +239,7 @@ def run_questions(loaded: Loaded, questions: list[Question], args: argparse.Name
         entries = [e for e in loaded.entries if e.takes(q)]
         shift = qi % len(entries)
         for e in entries[shift:] + entries[:shift]:
+            set_now(progress, f"{e.label} on question {q.question_id}")
             answers[e.label][qi] = answer(
                 e.runner, q, num_turns, lambda msgs, s=e.session: encode_messages(s, msgs),
                 lambda ids, s=e.session: s.tokenizer.decode(list(ids), skip_special_tokens=True),

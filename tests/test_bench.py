@@ -270,6 +270,26 @@ def test_progress_log_prints_at_least_every_interval_and_at_the_end():
                      "bench: 5/5 answers, 31 s elapsed, ETA 0 s"]
 
 
+def test_progress_log_heartbeat_names_the_answer_in_progress():
+    """One slow answer still gives a line every interval, naming what runs; no beat line after the last answer."""
+    clock = iter([0.0, 5.0, 11.0, 15.0, 23.0, 24.0, 40.0])
+    out = io.StringIO()
+    progress = ProgressLog(2, "bench-suite", interval=10.0, stream=out, clock=lambda: next(clock))
+    progress.now = "medusa1 on question 101"
+    progress.beat()  # 5 s: too early
+    progress.beat()  # 11 s: a line
+    progress.update(1)  # 15 s: 4 s after the last line, silent
+    progress.beat()  # 23 s: 12 s since the last line: a line
+    progress.update(1)  # 24 s: the last answer always prints
+    progress.beat()  # 40 s: finished, silent
+    progress.close()
+    assert out.getvalue().splitlines() == [
+        "bench-suite: 0/2 answers, 11 s elapsed, ETA nan s; now: medusa1 on question 101",
+        "bench-suite: 1/2 answers, 23 s elapsed, ETA 23 s; now: medusa1 on question 101",
+        "bench-suite: 2/2 answers, 24 s elapsed, ETA 0 s",
+    ]
+
+
 # --- the command
 
 @pytest.fixture(scope="module")
