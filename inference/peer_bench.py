@@ -169,7 +169,7 @@ def format_table(record: dict[str, Any]) -> str:
     for peer, reason in (record.get("unavailable") or {}).items():
         lines.append(f"| {peer}: not run | — | — | — | — | — | — | — |")
     out = ["\n".join(lines), ""]
-    out += goal_lines(rows)
+    out += goal_lines(rows, record)
     for name, found in (record.get("divergences") or {}).items():
         for d in found:
             kind = "near-tie" if d["near_tie"] else "MISMATCH"
@@ -180,8 +180,10 @@ def format_table(record: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def goal_lines(rows: dict[str, Row]) -> list[str]:
-    """One line per goal: met or missed, with the figures."""
+def goal_lines(rows: dict[str, Row], record: dict[str, Any] | None = None) -> list[str]:
+    """One line per goal: met or missed, with the figures. For our Medusa against Medusa's engine, τ is also given
+    over the answers both wrote identically: τ over different texts (a near-tie sends one of them down another
+    continuation) compares the texts as much as the engines."""
     lines = []
     for name, need in GOALS.items():
         ours, peer = rows.get(name), rows.get(METHODS[name].peer or "")
@@ -190,9 +192,23 @@ def goal_lines(rows: dict[str, Row]) -> list[str]:
         ratio = ours.tok_s / peer.tok_s
         ok = ratio >= need and (name != "ours_medusa" or ours.tau >= peer.tau)
         tau = f", τ {ours.tau:.2f} vs {peer.tau:.2f}" if name == "ours_medusa" else ""
+        if name == "ours_medusa" and record is not None:
+            n, mine, theirs = same_answer_tau(record, name, peer.name)
+            tau += f" (on the {n} identical answers: {_fmt(mine, '.2f')} vs {_fmt(theirs, '.2f')})"
         lines.append(f"goal {METHODS[name].label} ≥ {need:g}× {METHODS[peer.name].label}: "
                      f"{ratio:.2f}×{tau} — {'met' if ok else 'MISSED'}")
     return lines
+
+
+def same_answer_tau(record: dict[str, Any], ours: str, peer: str) -> tuple[int, float, float]:
+    """(answers, τ of `ours`, τ of `peer`) over the answers where both wrote the same tokens (nan when none)."""
+    pairs = [(a, b) for a, b in zip(_turns(record, ours), _turns(record, peer)) if a["tokens"] == b["tokens"]]
+
+    def tau(turns: list[dict[str, Any]]) -> float:
+        forwards = sum(t["forwards"] for t in turns)
+        return sum(len(t["tokens"]) for t in turns) / forwards if forwards else float("nan")
+
+    return len(pairs), tau([a for a, _ in pairs]), tau([b for _, b in pairs])
 
 
 def format_breakdown(record: dict[str, Any]) -> str:
