@@ -88,7 +88,21 @@ class Medusa1Config:
 
 
 @dataclass
-class Medusa2Config:
+class BackboneTrainingConfig:
+    """How a method fine-tunes the target's backbone (medusa2, cllm; read by train.medusa2_backbone.BackboneOptions).
+    Inherited: the keys stay method.<key>, so overrides, YAML and saved configs read the same in both methods."""
+
+    backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
+    lora_r: int = 32
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head (peft "all-linear")
+    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class Medusa2Config(BackboneTrainingConfig):
     """Medusa-2 (train/medusa2.py): L = lm_weight·L_LM + heads_weight·s(step)·Σ_k decay^k·CE_k, backbone trained too."""
 
     name: str = "medusa2"
@@ -100,13 +114,6 @@ class Medusa2Config:
     draft_vocab: Optional[int] = None  # S: heads over the S most frequent train-label tokens; null: all V
     init_heads: Optional[str] = None  # start from the heads of a medusa1/medusa2 checkpoint (its structure wins)
     heads_warmup_steps: int = 0  # stage 1 in the same run: heads only, Medusa-1 loss, backbone frozen
-    backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
-    lora_r: int = 32
-    lora_alpha: int = 16
-    lora_dropout: float = 0.05
-    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head (peft "all-linear")
-    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
-    gradient_checkpointing: bool = False
     lm_loss: str = "ce"  # ce | kl: KL(original ‖ backbone), original = adapters disabled (self-distillation)
     lm_weight: float = 1.0  # λ0
     heads_weight: float = 0.2  # c
@@ -117,7 +124,7 @@ class Medusa2Config:
 
 
 @dataclass
-class CllmConfig:
+class CllmConfig(BackboneTrainingConfig):
     """CLLM (train/cllm.py): L = consistency_weight·L_consistency + ar_weight·L_AR on Jacobi trajectories."""
 
     name: str = "cllm"
@@ -130,13 +137,6 @@ class CllmConfig:
     ar_source: str = "target_output"  # target_output: the target's greedy answer | ground_truth: the data's reply | both
     ar_weight: float = 1.0  # 0 skips the AR term
     ar_loss: str = "ce"  # ce: next-token CE | kl: KL(original model ‖ trained) on the same tokens (full: frozen copy)
-    backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
-    lora_r: int = 32
-    lora_alpha: int = 16
-    lora_dropout: float = 0.05
-    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head
-    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
-    gradient_checkpointing: bool = False
 
 
 @dataclass

@@ -33,7 +33,7 @@ class BackboneOptions:
 
     @classmethod
     def from_config(cls, method: Any, model: Any) -> "BackboneOptions":
-        """From a method config with backbone / lora_* / gradient_checkpointing keys (medusa2, cllm) and cfg.model."""
+        """From a method config with train.config.BackboneTrainingConfig's keys (medusa2, cllm) and cfg.model."""
         return cls(
             kind=method.backbone,
             quantized=model.quantization not in (None, "none"),
