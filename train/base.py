@@ -242,8 +242,6 @@ def configure_logger(cfg: DictConfig) -> list[str]:
     """Return Trainer's report_to; wandb runs offline when it cannot run online."""
     if cfg.logger.name == "none":
         return []
-    if cfg.logger.name != "wandb":
-        raise ValueError(f"logger.name={cfg.logger.name!r}: choose wandb or none")
     os.environ.setdefault("WANDB_PROJECT", cfg.logger.project)
     if cfg.logger.entity:
         os.environ.setdefault("WANDB_ENTITY", cfg.logger.entity)
@@ -317,7 +315,7 @@ def check_resume(cfg: DictConfig, checkpoint: Path) -> None:
     saved = read_drafter_config(checkpoint).get("training", {}).get("config")
     if not isinstance(saved, dict):
         return
-    current = OmegaConf.to_container(cfg, resolve=True)
+    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for key in RESUME_KEYS.get(cfg.method.name, ()):
         old, new = _lookup(saved, key), _lookup(current, key)
         if old != new and not (key == "model.path" and _same_directory(old, new)):
@@ -352,7 +350,7 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
     """`deepspeed`: a resolved DeepSpeed dict (train.distributed.deepspeed_settings) or None. Under ZeRO-3, build the
     arguments before loading the target: from_pretrained partitions it only while they are alive."""
     t = cfg.training
-    passthrough = {k: v for k, v in OmegaConf.to_container(t).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite")}
+    passthrough = {k: v for k, v in OmegaConf.to_container(t, enum_to_str=True).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite")}
     args = TrainingArguments(
         output_dir=str(Path(cfg.output_dir) / TRAINER_CHECKPOINTS),
         eval_strategy="steps" if t.eval_steps else "no",
@@ -483,7 +481,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         "method": cfg.method.name,
         "data": cfg.data.path or cfg.data.name,
         "command": "python -m train " + shlex.join(sys.argv[1:]),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
     trainer = DraftTrainer(
         model=LossModule(model, method),

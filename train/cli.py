@@ -14,13 +14,15 @@ import logging
 import os
 import re
 import sys
+import typing
+from enum import Enum
 from importlib import resources
 
 from hydra import compose, initialize_config_module
 from hydra._internal.utils import get_args_parser
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from data.errors import UsageError
 from train import config as schema
@@ -79,6 +81,9 @@ def check_overrides(plain: list[str]) -> None:
             raise UsageError(f"unknown {group} '{name}'; available: {', '.join(available(group))}") from None
         raise UsageError(_one_line(e)) from None
     except (HydraException, OmegaConfBaseException, ValueError) as e:
+        bad_choice = choice_message(e)
+        if bad_choice:
+            raise UsageError(bad_choice) from None
         unknown = _NOT_IN_SCHEMA.search(_one_line(e))
         if unknown:
             raise UsageError(unknown_key_message(unknown.group(1), unknown.group(3))) from None
@@ -92,6 +97,22 @@ def check_overrides(plain: list[str]) -> None:
         if override.startswith("+") and not _has_field(cfg, key):
             raise UsageError(unknown_key_message(key, _schema_of(cfg, key).__name__))
     check_values(cfg)
+
+
+def choice_message(e: BaseException) -> str | None:
+    """"<key>=<value>: choose one of ..." when `e` (or an exception it was raised from) is OmegaConf refusing a value
+    of an Enum-typed schema field (train.config's choices), else None. Built from the ValidationError's full_key, key,
+    value and object_type, and the field's type hint: not from the message's text."""
+    while e is not None:
+        if isinstance(e, ValidationError) and dataclasses.is_dataclass(e.object_type) and e.full_key:
+            hint = typing.get_type_hints(e.object_type).get(str(e.key))
+            kinds = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+            enum = next((k for k in kinds if isinstance(k, type) and issubclass(k, Enum)), None)
+            if enum is not None:
+                allowed = (["null"] if type(None) in kinds else []) + [m.value for m in enum]
+                return f"{e.full_key}={e.value}: choose one of {', '.join(allowed)}"
+        e = e.__cause__
+    return None
 
 
 def _schema_of(cfg: DictConfig, key: str) -> type | None:

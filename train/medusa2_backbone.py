@@ -17,7 +17,6 @@ from torch import nn
 
 from models.checkpoint import BackboneWriter, CheckpointError
 
-BACKBONES = ("lora", "full")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
