@@ -239,3 +239,35 @@ def test_bad_choice_on_the_command_line_is_one_line_and_exit_2():
         result = run_cli(*args)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [line], result.stderr
 
+
+def test_hydra_flags_are_separated_from_overrides():
+    from train.cli import hydra_flags
+
+    flags = hydra_flags(["method=medusa1", "+model=tiny", "method.decay=0.8,0.9", "-m"])
+    assert flags.multirun and flags.overrides == ["method=medusa1", "+model=tiny", "method.decay=0.8,0.9"]
+    flags = hydra_flags(["method=medusa1", "+model=tiny", "--cfg", "job", "--resolve", "--info"])
+    assert (flags.cfg, flags.resolve, flags.info, flags.multirun) == ("job", True, "all", False)
+    assert flags.overrides == ["method=medusa1", "+model=tiny"]
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --nope; usage: "):
+        hydra_flags(["method=medusa1", "--nope"])
+    with pytest.raises(UsageError, match=r"^argument --cfg/-c: invalid choice: 'every'"):
+        hydra_flags(["method=medusa1", "--cfg", "every"])
+
+
+def test_a_multirun_sweep_is_left_to_hydra():
+    """-m: values that sweep (0.8,-1) are not one config: each job checks its own (see the test above)."""
+    assert parse(["medusa1", "+model=tiny", "method.decay=0.8,-1", "-m"])[-1] == "-m"
+
+
+def test_our_hydra_flags_are_hydras():
+    """train.cli keeps its own copy of Hydra's flags (no hydra._internal at run time); this test, only, reads the
+    parser hydra.main uses, so that a Hydra upgrade adding, removing or changing a flag fails here."""
+    from hydra._internal.utils import get_args_parser
+
+    from train.cli import hydra_flag_parser
+
+    def flags(parser):
+        return {(tuple(sorted(a.option_strings)), a.nargs, tuple(a.choices or ()), a.const if a.nargs == "?" else None)
+                for a in parser._actions if a.option_strings}  # arity 0 (store_true, version) or 1, or "?" (--info)
+
+    assert flags(hydra_flag_parser()) == flags(get_args_parser())
