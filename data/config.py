@@ -73,4 +73,5 @@ def load_data_config(name: str, overrides: Sequence[str] | Mapping[str, Any] = (
         cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(str(conf)))
         return OmegaConf.merge(cfg, changes)
     except OmegaConfBaseException as e:
-        raise UsageError(f"{flag} {name}: {str(e).strip().splitlines()[0]}") from None
+        key = f"{e.full_key}: " if getattr(e, "full_key", None) else ""  # the offending key, when OmegaConf knows it
+        raise UsageError(f"{flag} {name}: {key}{str(e).strip().splitlines()[0]}") from None
