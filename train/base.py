@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from data.chat import encode_prompt, first_user_turn
 from data.collate import ChatCollator
@@ -34,6 +34,7 @@ from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places
 from train.checks import check_values
 from train.config import RESUME_KEYS
 from train.distributed import deepspeed_settings, gathered, init_deepspeed_comm, is_main_process
+from train.trainer_hooks import ResumeHooks, check_private_hooks
 
 log = logging.getLogger("draftsmith")
 
@@ -127,11 +128,13 @@ class LossModule(nn.Module):
         return {"loss": out.loss, "metrics": out.metrics}  # a dict: DeepSpeed hooks output tensors of dicts only
 
 
-class DraftTrainer(Trainer):
-    """HF Trainer whose loss, evaluation and checkpoint format come from a TrainMethod."""
+class DraftTrainer(ResumeHooks):
+    """HF Trainer whose loss, evaluation and checkpoint format come from a TrainMethod. Public Trainer API only, except
+    the two private resume hooks it inherits from train.trainer_hooks.ResumeHooks."""
 
     def __init__(self, *args, method: TrainMethod, prompts: list[list[int]], extra: dict[str, Any],
                  on_nonfinite: str = "stop", **kwargs):
+        check_private_hooks()
         super().__init__(*args, **kwargs)
         self.method = method
         self.on_nonfinite = on_nonfinite
@@ -223,19 +226,9 @@ class DraftTrainer(Trainer):
                 (output_dir / "trainer_state.json").unlink(missing_ok=True)
                 self.method.save(self.method_model, output_dir, self.processing_class, extra)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        self.method.load(self.method_model, Path(resume_from_checkpoint))
-
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
-                             trial) -> tuple[int, int]:
-        """HF Trainer resumed from a checkpoint at max_steps (whose max_steps ends mid-epoch) runs one step past it:
-        the step loop checks for the end only after a step. Report every epoch done instead, so it trains no more
-        (a run killed after its last checkpoint then resumes to the same weights)."""
-        epochs, steps = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
-                                                     resume_from_checkpoint, trial)
-        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
-            return num_train_epochs, 0
-        return epochs, steps
+    def load_resumed_weights(self, checkpoint_dir: Path) -> None:
+        """Resuming: the drafter checkpoint's weights, in the method's own format (see train.trainer_hooks)."""
+        self.method.load(self.method_model, checkpoint_dir)
 
 
 def configure_logger(cfg: DictConfig) -> list[str]:
