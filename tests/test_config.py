@@ -271,3 +271,4 @@ def test_our_hydra_flags_are_hydras():
                 for a in parser._actions if a.option_strings}  # arity 0 (store_true, version) or 1, or "?" (--info)
 
     assert flags(hydra_flag_parser()) == flags(get_args_parser())
+    assert hydra_flag_parser().allow_abbrev == get_args_parser().allow_abbrev  # --multi means -m to both

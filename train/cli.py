@@ -176,7 +176,7 @@ def hydra_flags(argv: list[str]) -> argparse.Namespace:
 def hydra_flag_parser() -> argparse.ArgumentParser:
     """Hydra's documented command-line flags (hydra.cc/docs/advanced/hydra-command-line-flags), with the same
     arities; tests/test_config.py keeps the list equal to the one hydra.main parses."""
-    parser = _Refuse(add_help=False, prog="python -m train <method>", allow_abbrev=False)
+    parser = _Refuse(add_help=False, prog="python -m train <method>")  # abbreviations (--multi) as Hydra takes them
     for names in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
                   ("--multirun", "-m"), ("--shell-completion", "-sc")):
         parser.add_argument(*names, action="store_true")
