@@ -4,6 +4,7 @@ conf/data file outside a training run (build-tree, the Jacobi collector, benchma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from importlib import resources
 from typing import Any, Mapping, Optional, Sequence
 
@@ -13,17 +14,28 @@ from omegaconf.errors import OmegaConfBaseException
 from data.errors import UsageError
 
 
+def choice(name: str, *values: str, module: str = __name__) -> type[StrEnum]:
+    """A StrEnum for a config key with a fixed set of values: OmegaConf then refuses any other value at composition.
+    Member names equal their values (OmegaConf converts a string by member NAME, and a member hashes like its name),
+    so members compare, hash, format and JSON-encode as the plain strings; names may be keywords ("raise", "global")."""
+    return StrEnum(name, [(v, v) for v in values], module=module, qualname=name)
+
+
+DataFormat = choice("DataFormat", "builtin", "sharegpt", "alpaca", "gsm8k", "text")  # builtin + data.readers.FORMATS
+OnError = choice("OnError", "raise", "skip")
+
+
 @dataclass
 class DataConfig:
     name: str = "default"
-    format: str = "builtin"  # builtin | sharegpt | alpaca | gsm8k | text
+    format: DataFormat = DataFormat.builtin
     path: Optional[str] = None
     split: str = "train"
     validation_path: Optional[str] = None
     validation_fraction: float = 0.02
     max_length: int = 512
     packing: bool = False
-    on_error: str = "raise"  # raise | skip
+    on_error: OnError = OnError("raise")  # skip: count and skip bad records
     max_samples: Optional[int] = None
     chat_template: Optional[str] = None
     system_prompt: Optional[str] = None
@@ -61,4 +73,5 @@ def load_data_config(name: str, overrides: Sequence[str] | Mapping[str, Any] = (
         cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(str(conf)))
         return OmegaConf.merge(cfg, changes)
     except OmegaConfBaseException as e:
-        raise UsageError(f"{flag} {name}: {str(e).strip().splitlines()[0]}") from None
+        key = f"{e.full_key}: " if getattr(e, "full_key", None) else ""  # the offending key, when OmegaConf knows it
+        raise UsageError(f"{flag} {name}: {key}{str(e).strip().splitlines()[0]}") from None

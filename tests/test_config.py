@@ -178,3 +178,97 @@ def test_a_multirun_job_checks_its_own_values(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match=r"^method.decay=-1.0: must be in \(0, 1\]$"):
         run(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_choices_match_the_values_their_consumers_accept():
+    """train.config repeats other layers' value sets (the schema loads without torch): keep them equal."""
+    from data.config import DataFormat
+    from data.jacobi import AR_SOURCES
+    from data.readers import FORMATS
+    from inference.jacobi import INITS
+    from models.builtin import DTYPES, QUANTIZATIONS
+    from train.config import ArSource, Dtype, JacobiInit, Quantization
+
+    assert list(Dtype) == list(DTYPES)
+    assert [None, *Quantization] == list(QUANTIZATIONS)
+    assert list(DataFormat) == ["builtin", *FORMATS]
+    assert list(JacobiInit) == list(INITS)
+    assert sorted(ArSource) == sorted(AR_SOURCES)
+
+
+def test_choices_read_and_serialise_as_plain_strings():
+    """A typed choice compares, formats and JSON-encodes as its string; saved configs hold plain strings."""
+    import json
+
+    cfg = composed("method=cllm", "+model=tiny", "method.consistency=local", "data.on_error=skip")
+    assert cfg.method.consistency == "local" and f"{cfg.method.consistency}" == "local"
+    assert json.dumps({"c": cfg.method.consistency}) == '{"c": "local"}'
+    assert {"local": 1}[cfg.method.consistency] == 1  # hashes like its string
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert type(plain["method"]["consistency"]) is str and type(plain["data"]["on_error"]) is str
+    assert "consistency: local" in OmegaConf.to_yaml(cfg) and "on_error: skip" in OmegaConf.to_yaml(cfg)
+    # a value written back (a saved config, a YAML file) composes again
+    assert OmegaConf.merge(OmegaConf.structured(type(OmegaConf.to_object(cfg.method))), plain["method"]) == cfg.method
+
+
+@pytest.mark.parametrize("args, message", [
+    (["medusa1", "+model=tiny", "model.dtype=fp8"], "model.dtype=fp8: choose one of bf16, fp16, fp32, fp64"),
+    (["medusa1", "+model=tiny", "data.on_error=ignore"], "data.on_error=ignore: choose one of raise, skip"),
+    (["medusa1", "+model=tiny", "data.format=csv"], "data.format=csv: choose one of builtin, sharegpt, alpaca, gsm8k, text"),
+    (["medusa1", "+model=tiny", "logger.name=tensorboard"], "logger.name=tensorboard: choose one of none, wandb"),
+    (["medusa1", "+model=tiny", "logger.mode=sometimes"],
+     "logger.mode=sometimes: choose one of null, online, offline, disabled"),
+    (["medusa2", "+model=tiny", "method.head_schedule=cosine"],
+     "method.head_schedule=cosine: choose one of constant, linear, sine"),
+    (["distill", "+model=tiny", "method.divergence=kl2"], "method.divergence=kl2: choose one of fkl, rkl, jsd, tvd"),
+    (["distill", "+model=tiny", "method.draft_dtype=int8"], "method.draft_dtype=int8: choose one of bf16, fp16, fp32, fp64"),
+])
+def test_bad_choice_names_the_key_and_the_choices(args, message):
+    with pytest.raises(UsageError) as info:
+        parse(args)
+    assert str(info.value) == message
+
+
+def test_bad_choice_on_the_command_line_is_one_line_and_exit_2():
+    for args, line in [
+        (["medusa1", "+model=tiny", "model.dtype=fp8"], "error: model.dtype=fp8: choose one of bf16, fp16, fp32, fp64"),
+        (["cllm", "+model=tiny", "method.ar_loss=mse"], "error: method.ar_loss=mse: choose one of ce, kl"),
+        (["medusa1", "+model=tiny", "training.on_nonfinite=ignore"],
+         "error: training.on_nonfinite=ignore: choose one of stop, skip"),
+    ]:
+        result = run_cli(*args)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [line], result.stderr
+
+
+def test_hydra_flags_are_separated_from_overrides():
+    from train.cli import hydra_flags
+
+    flags = hydra_flags(["method=medusa1", "+model=tiny", "method.decay=0.8,0.9", "-m"])
+    assert flags.multirun and flags.overrides == ["method=medusa1", "+model=tiny", "method.decay=0.8,0.9"]
+    flags = hydra_flags(["method=medusa1", "+model=tiny", "--cfg", "job", "--resolve", "--info"])
+    assert (flags.cfg, flags.resolve, flags.info, flags.multirun) == ("job", True, "all", False)
+    assert flags.overrides == ["method=medusa1", "+model=tiny"]
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --nope; usage: "):
+        hydra_flags(["method=medusa1", "--nope"])
+    with pytest.raises(UsageError, match=r"^argument --cfg/-c: invalid choice: 'every'"):
+        hydra_flags(["method=medusa1", "--cfg", "every"])
+
+
+def test_a_multirun_sweep_is_left_to_hydra():
+    """-m: values that sweep (0.8,-1) are not one config: each job checks its own (see the test above)."""
+    assert parse(["medusa1", "+model=tiny", "method.decay=0.8,-1", "-m"])[-1] == "-m"
+
+
+def test_our_hydra_flags_are_hydras():
+    """train.cli keeps its own copy of Hydra's flags (no hydra._internal at run time); this test, only, reads the
+    parser hydra.main uses, so that a Hydra upgrade adding, removing or changing a flag fails here."""
+    from hydra._internal.utils import get_args_parser
+
+    from train.cli import hydra_flag_parser
+
+    def flags(parser):
+        return {(tuple(sorted(a.option_strings)), a.nargs, tuple(a.choices or ()), a.const if a.nargs == "?" else None)
+                for a in parser._actions if a.option_strings}  # arity 0 (store_true, version) or 1, or "?" (--info)
+
+    assert flags(hydra_flag_parser()) == flags(get_args_parser())
+    assert hydra_flag_parser().allow_abbrev == get_args_parser().allow_abbrev  # --multi means -m to both

@@ -33,3 +33,17 @@ def test_group_reads_its_format(name):
     conversations = load_conversations(replace(cfg, path=str(FIXTURES / FIXTURE_FOR[name]), validation_fraction=0.0),
                                        "train")
     assert conversations and all(c[-1]["role"] == "assistant" for c in conversations)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("format=csv", "--data sharegpt: format: Invalid value 'csv', expected one of [builtin, sharegpt, alpaca, gsm8k, text]"),
+    ("on_error=ignore", "--data sharegpt: on_error: Invalid value 'ignore', expected one of [raise, skip]"),
+])
+def test_a_bad_choice_outside_training_names_the_key(override, message):
+    """Tools reading a conf/data file (build-tree, the Jacobi collector) get the schema's typed choices too."""
+    from data.config import load_data_config
+    from data.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        load_data_config("sharegpt", [override])
+    assert str(info.value) == message

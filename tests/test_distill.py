@@ -137,7 +137,6 @@ def test_distill_run_writes_a_served_draft_model(models, sharegpt_file, tmp_path
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"divergence": "kl2"}, "method.divergence=kl2: choose one of fkl, rkl, jsd, tvd"),
     ({"jsd_beta": 1.0}, "method.jsd_beta=1.0: must be in (0, 1)"),
     ({"on_policy_fraction": 1.5}, "method.on_policy_fraction=1.5: must be in [0, 1]"),
     ({"temperature": 0.0}, "method.temperature=0.0: must be > 0"),

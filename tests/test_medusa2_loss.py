@@ -169,18 +169,28 @@ def test_full_backbone_trains_every_weight():
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("override, key", [
-    ("method.backbone=adapter", "method.backbone"),
-    ("method.lm_loss=mse", "method.lm_loss"),
-    ("method.head_schedule=cosine", "method.head_schedule"),
-    ("method.heads_warmup_steps=10", "method.heads_warmup_steps"),
+@pytest.mark.parametrize("override, message", [
+    ("method.backbone=adapter", "method.backbone=adapter: choose one of lora, full"),
+    ("method.lm_loss=mse", "method.lm_loss=mse: choose one of ce, kl"),
+    ("method.head_schedule=cosine", "method.head_schedule=cosine: choose one of constant, linear, sine"),
 ])
-def test_bad_settings_are_one_line_errors(override, key):
+def test_bad_choices_are_refused_at_composition(override, message):
+    from train.cli import UsageError, parse
+    from train.config import register_configs
+
+    register_configs()
+
+    with pytest.raises(UsageError) as info:
+        parse(["medusa2", "+model=tiny", override])
+    assert str(info.value) == message
+
+
+def test_bad_settings_are_one_line_errors():
     from train.cli import UsageError
     from train.medusa2 import Method
 
-    with pytest.raises(UsageError, match=key):
-        Method(medusa2_config(override, "training.max_steps=5"))
+    with pytest.raises(UsageError, match="method.heads_warmup_steps"):
+        Method(medusa2_config("method.heads_warmup_steps=10", "training.max_steps=5"))
     with pytest.raises(UsageError, match="QLoRA"):
         Method(medusa2_config("method.backbone=full", "model.quantization=nf4"))
     with pytest.raises(UsageError, match="adapters disabled"):

@@ -70,6 +70,11 @@ def test_few_steps_write_a_loadable_checkpoint(tiny_model_dir, sharegpt_file, tm
     assert loaded.config["training"]["global_step"] == 3
     metrics = loaded.config["training"]["metrics"]
     assert 0.0 <= metrics["eval_head1_top1"] <= metrics["eval_head1_top5"] <= 1.0
+    # Enum-typed choices are saved as their plain values (train.config's StrEnums), in config.json and .hydra/
+    saved = loaded.config["training"]["config"]
+    assert (saved["model"]["dtype"], saved["training"]["on_nonfinite"], saved["data"]["format"]) == ("fp32", "stop", "sharegpt")
+    hydra_saved = (out / ".hydra" / "config.yaml").read_text()
+    assert "dtype: fp32" in hydra_saved and "format: sharegpt" in hydra_saved and "Dtype" not in hydra_saved
     assert "eval_greedy_head1_top1" in metrics and "eval_backbone_top1" in metrics
     assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
     # The heads trained: they moved away from the zero-initialised residual blocks.

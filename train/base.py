@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from data.chat import encode_prompt, first_user_turn
 from data.collate import ChatCollator
@@ -34,6 +34,7 @@ from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places
 from train.checks import check_values
 from train.config import RESUME_KEYS
 from train.distributed import deepspeed_settings, gathered, init_deepspeed_comm, is_main_process
+from train.trainer_hooks import ResumeHooks, check_private_hooks
 
 log = logging.getLogger("draftsmith")
 
@@ -127,11 +128,13 @@ class LossModule(nn.Module):
         return {"loss": out.loss, "metrics": out.metrics}  # a dict: DeepSpeed hooks output tensors of dicts only
 
 
-class DraftTrainer(Trainer):
-    """HF Trainer whose loss, evaluation and checkpoint format come from a TrainMethod."""
+class DraftTrainer(ResumeHooks):
+    """HF Trainer whose loss, evaluation and checkpoint format come from a TrainMethod. Public Trainer API only, except
+    the two private resume hooks it inherits from train.trainer_hooks.ResumeHooks."""
 
     def __init__(self, *args, method: TrainMethod, prompts: list[list[int]], extra: dict[str, Any],
                  on_nonfinite: str = "stop", **kwargs):
+        check_private_hooks()
         super().__init__(*args, **kwargs)
         self.method = method
         self.on_nonfinite = on_nonfinite
@@ -223,27 +226,15 @@ class DraftTrainer(Trainer):
                 (output_dir / "trainer_state.json").unlink(missing_ok=True)
                 self.method.save(self.method_model, output_dir, self.processing_class, extra)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        self.method.load(self.method_model, Path(resume_from_checkpoint))
-
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
-                             trial) -> tuple[int, int]:
-        """HF Trainer resumed from a checkpoint at max_steps (whose max_steps ends mid-epoch) runs one step past it:
-        the step loop checks for the end only after a step. Report every epoch done instead, so it trains no more
-        (a run killed after its last checkpoint then resumes to the same weights)."""
-        epochs, steps = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
-                                                     resume_from_checkpoint, trial)
-        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
-            return num_train_epochs, 0
-        return epochs, steps
+    def load_resumed_weights(self, checkpoint_dir: Path) -> None:
+        """Resuming: the drafter checkpoint's weights, in the method's own format (see train.trainer_hooks)."""
+        self.method.load(self.method_model, checkpoint_dir)
 
 
 def configure_logger(cfg: DictConfig) -> list[str]:
     """Return Trainer's report_to; wandb runs offline when it cannot run online."""
     if cfg.logger.name == "none":
         return []
-    if cfg.logger.name != "wandb":
-        raise ValueError(f"logger.name={cfg.logger.name!r}: choose wandb or none")
     os.environ.setdefault("WANDB_PROJECT", cfg.logger.project)
     if cfg.logger.entity:
         os.environ.setdefault("WANDB_ENTITY", cfg.logger.entity)
@@ -317,7 +308,7 @@ def check_resume(cfg: DictConfig, checkpoint: Path) -> None:
     saved = read_drafter_config(checkpoint).get("training", {}).get("config")
     if not isinstance(saved, dict):
         return
-    current = OmegaConf.to_container(cfg, resolve=True)
+    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for key in RESUME_KEYS.get(cfg.method.name, ()):
         old, new = _lookup(saved, key), _lookup(current, key)
         if old != new and not (key == "model.path" and _same_directory(old, new)):
@@ -352,7 +343,7 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
     """`deepspeed`: a resolved DeepSpeed dict (train.distributed.deepspeed_settings) or None. Under ZeRO-3, build the
     arguments before loading the target: from_pretrained partitions it only while they are alive."""
     t = cfg.training
-    passthrough = {k: v for k, v in OmegaConf.to_container(t).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite")}
+    passthrough = {k: v for k, v in OmegaConf.to_container(t, enum_to_str=True).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite")}
     args = TrainingArguments(
         output_dir=str(Path(cfg.output_dir) / TRAINER_CHECKPOINTS),
         eval_strategy="steps" if t.eval_steps else "no",
@@ -483,7 +474,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         "method": cfg.method.name,
         "data": cfg.data.path or cfg.data.name,
         "command": "python -m train " + shlex.join(sys.argv[1:]),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
     trainer = DraftTrainer(
         model=LossModule(model, method),

@@ -1,4 +1,4 @@
-"""Settings whose type is right but whose value is not: a choice, a numeric range (train.config.RANGES), a
+"""Settings whose type is right but whose value is not: a numeric range (train.config.RANGES), a
 self-distillation setup that cannot work, an output folder that cannot be written. Each fails in one line naming
 the key, before Hydra starts (train.cli) and again in each job of a multirun (train.base), not deep in the run."""
 
@@ -10,26 +10,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UsageError
-from data.readers import FORMATS
-from models.builtin import DTYPES, QUANTIZATIONS
 from train import config as schema
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Settings whose type is right but whose value is not (a choice, a numeric range of train.config.RANGES, ...):
-    fail here, naming the key, not deep in the run. Run before Hydra starts, and again by each job of a multirun."""
-    choices = {
-        "model.dtype": tuple(DTYPES),
-        "model.quantization": QUANTIZATIONS,
-        "data.format": ("builtin", *FORMATS),
-        "data.on_error": ("raise", "skip"),
-        "training.on_nonfinite": ("stop", "skip"),
-    }
-    for key, allowed in choices.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            shown = ", ".join("null" if a is None else a for a in allowed)
-            raise UsageError(f"{key}={value}: choose one of {shown}")
+    """Settings whose type is right but whose value is not (a numeric range of train.config.RANGES, ...; choices are
+    Enum-typed in the schema, so composition refuses them): fail here, naming the key, not deep in the run. Run
+    before Hydra starts, and again by each job of a multirun."""
     problem = schema.out_of_range(cfg)
     if problem:
         raise UsageError(problem)

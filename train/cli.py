@@ -7,6 +7,7 @@ one readable line and exit code 2 instead of a multi-line Hydra report.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import errno
@@ -14,13 +15,14 @@ import logging
 import os
 import re
 import sys
+import typing
+from enum import Enum
 from importlib import resources
 
 from hydra import compose, initialize_config_module
-from hydra._internal.utils import get_args_parser
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from data.errors import UsageError
 from train import config as schema
@@ -31,7 +33,6 @@ CONFIG_MODULE = "conf"
 CONFIG_NAME = "train"
 USAGE = "usage: python -m train <method> +model=<name> [key=value ...]"
 _LOCAL_RANK = re.compile(r"^--local[_-]rank=(\d+)$")
-_NOT_IN_SCHEMA = re.compile(r"Could not override '([^']+)'.*Key '([^']+)' not in '(\w+)'", re.S)
 # OSErrors of the storage (not of the program): reported as one line naming the file.
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOTDIR)
 
@@ -73,16 +74,9 @@ def check_overrides(plain: list[str]) -> None:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             cfg = compose(config_name=CONFIG_NAME, overrides=plain)
     except MissingConfigException as e:
-        group = next((g for g in ("model", "method", "data", "logger", "deepspeed") if f"'{g}/" in str(e)), None)
-        if group is not None:
-            name = re.search(rf"'{group}/([^']+)'", str(e)).group(1)
-            raise UsageError(f"unknown {group} '{name}'; available: {', '.join(available(group))}") from None
-        raise UsageError(_one_line(e)) from None
+        raise UsageError(missing_option_message(e) or _one_line(e)) from None
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        unknown = _NOT_IN_SCHEMA.search(_one_line(e))
-        if unknown:
-            raise UsageError(unknown_key_message(unknown.group(1), unknown.group(3))) from None
-        raise UsageError(_one_line(e)) from None
+        raise UsageError(choice_message(e) or unknown_key_from(e) or _one_line(e)) from None
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
@@ -92,6 +86,41 @@ def check_overrides(plain: list[str]) -> None:
         if override.startswith("+") and not _has_field(cfg, key):
             raise UsageError(unknown_key_message(key, _schema_of(cfg, key).__name__))
     check_values(cfg)
+
+
+def missing_option_message(e: MissingConfigException) -> str | None:
+    """"unknown <group> '<name>'; available: ..." from the exception's missing_cfg_file ("model/gpt5"), else None
+    (e.g. a missing primary config)."""
+    group, _, name = (e.missing_cfg_file or "").partition("/")
+    if not name or group not in ("model", "method", "data", "logger", "deepspeed"):
+        return None
+    return f"unknown {group} '{name}'; available: {', '.join(available(group))}"  # not e.options: lists *_schema
+
+
+def unknown_key_from(e: BaseException) -> str | None:
+    """"unknown config key ..." when `e` (or an exception it was raised from) is OmegaConf refusing a key that its
+    structured node lacks: taken from that exception's full_key and object_type (the schema), else None."""
+    while e is not None:
+        if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and e.full_key and dataclasses.is_dataclass(e.object_type):
+            return unknown_key_message(e.full_key, e.object_type.__name__)
+        e = e.__cause__
+    return None
+
+
+def choice_message(e: BaseException) -> str | None:
+    """"<key>=<value>: choose one of ..." when `e` (or an exception it was raised from) is OmegaConf refusing a value
+    of an Enum-typed schema field (train.config's choices), else None. Built from the ValidationError's full_key, key,
+    value and object_type, and the field's type hint: not from the message's text."""
+    while e is not None:
+        if isinstance(e, ValidationError) and dataclasses.is_dataclass(e.object_type) and e.full_key:
+            hint = typing.get_type_hints(e.object_type).get(str(e.key))
+            kinds = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+            enum = next((k for k in kinds if isinstance(k, type) and issubclass(k, Enum)), None)
+            if enum is not None:
+                allowed = (["null"] if type(None) in kinds else []) + [m.value for m in enum]
+                return f"{e.full_key}={e.value}: choose one of {', '.join(allowed)}"
+        e = e.__cause__
+    return None
 
 
 def _schema_of(cfg: DictConfig, key: str) -> type | None:
@@ -126,10 +155,39 @@ def parse(argv: list[str]) -> list[str]:
     if method not in methods:
         raise UsageError(f"unknown method '{method}'; available: {', '.join(methods)}")
     overrides = [f"method={method}", *rest]
-    flags = get_args_parser().parse_args(overrides)  # Hydra's own flags (--cfg job, -m, ...) stay Hydra's
+    flags = hydra_flags(overrides)  # Hydra's own flags (--cfg job, -m, ...) stay in argv for Hydra
     if not flags.multirun:
         check_overrides(flags.overrides)
     return overrides
+
+
+class _Refuse(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default prints usage and exits: one UsageError line instead
+        raise UsageError(f"{message}; {USAGE}")
+
+
+def hydra_flags(argv: list[str]) -> argparse.Namespace:
+    """Hydra's command-line flags separated from the overrides, which come back as .overrides; .multirun says whether
+    -m/--multirun was given. Only separating: argv reaches hydra.main unchanged, which parses and acts on the flags
+    itself. Like Hydra's own parser, overrides come before the flags or after the last one."""
+    return hydra_flag_parser().parse_args(argv)
+
+
+def hydra_flag_parser() -> argparse.ArgumentParser:
+    """Hydra's documented command-line flags (hydra.cc/docs/advanced/hydra-command-line-flags), with the same
+    arities; tests/test_config.py keeps the list equal to the one hydra.main parses."""
+    parser = _Refuse(add_help=False, prog="python -m train <method>")  # abbreviations (--multi) as Hydra takes them
+    for names in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+                  ("--multirun", "-m"), ("--shell-completion", "-sc")):
+        parser.add_argument(*names, action="store_true")
+    for names in (("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"), ("--config-dir", "-cd"),
+                  ("--experimental-rerun",)):
+        parser.add_argument(*names)
+    parser.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
+    parser.add_argument("--info", "-i", nargs="?", const="all",
+                        choices=["all", "config", "defaults", "defaults-tree", "plugins", "searchpath"])
+    parser.add_argument("overrides", nargs="*")
+    return parser
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

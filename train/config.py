@@ -12,15 +12,32 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from data.config import DataConfig  # noqa: F401  (the `data` group's schema, shared with the data collectors)
+from data.config import DataConfig, choice
+
+# Keys with a fixed set of values. Values of other layers are repeated here, not imported (the schema loads without
+# torch); tests/test_config.py checks each against its source.
+Dtype = choice("Dtype", "bf16", "fp16", "fp32", "fp64", module=__name__)  # models.builtin.DTYPES
+Quantization = choice("Quantization", "none", "nf4", module=__name__)  # models.builtin.QUANTIZATIONS (and null)
+OnNonfinite = choice("OnNonfinite", "stop", "skip", module=__name__)
+LoggerName = choice("LoggerName", "none", "wandb", module=__name__)
+WandbMode = choice("WandbMode", "online", "offline", "disabled", module=__name__)
+Backbone = choice("Backbone", "lora", "full", module=__name__)
+LmLoss = choice("LmLoss", "ce", "kl", module=__name__)
+HeadSchedule = choice("HeadSchedule", "constant", "linear", "sine", module=__name__)
+JacobiInit = choice("JacobiInit", "random", "pad", "repeat", module=__name__)  # inference.jacobi.INITS
+Consistency = choice("Consistency", "global", "local", module=__name__)
+CllmDivergence = choice("CllmDivergence", "kl", "soft_ce", module=__name__)
+ArSource = choice("ArSource", "ground_truth", "target_output", "both", module=__name__)  # data.jacobi.AR_SOURCES
+ArLoss = choice("ArLoss", "ce", "kl", module=__name__)
+DistillDivergence = choice("DistillDivergence", "fkl", "rkl", "jsd", "tvd", module=__name__)
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
     path: str = MISSING  # hub id, local directory, or builtin:<name>
-    dtype: str = "bf16"  # bf16 | fp16 | fp32
-    quantization: Optional[str] = None  # null | nf4 (bitsandbytes 4-bit)
+    dtype: Dtype = Dtype.bf16
+    quantization: Optional[Quantization] = None  # nf4: bitsandbytes 4-bit; null and none: unquantised
     double_quant: bool = True
     attn_implementation: str = "sdpa"
     chat_template: Optional[str] = None  # shipped template name for models without one (data.templates)
@@ -48,17 +65,17 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     dataloader_num_workers: int = 0
     resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or "auto" for the newest complete one
-    on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
+    on_nonfinite: OnNonfinite = OnNonfinite.stop  # what a NaN/inf loss does: stop the run, or skip the batch
     bf16: bool = False  # autocast the trainable modules in bf16 (the frozen backbone follows model.dtype)
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"  # none | wandb
+    name: LoggerName = LoggerName.none
     project: str = "draftsmith"
     entity: Optional[str] = None
     run_name: Optional[str] = None
-    mode: Optional[str] = None  # online | offline; null: offline when there is no API key, WANDB_MODE respected
+    mode: Optional[WandbMode] = None  # null: offline when there is no API key, WANDB_MODE respected
 
 
 @dataclass
@@ -88,7 +105,21 @@ class Medusa1Config:
 
 
 @dataclass
-class Medusa2Config:
+class BackboneTrainingConfig:
+    """How a method fine-tunes the target's backbone (medusa2, cllm; read by train.medusa2_backbone.BackboneOptions).
+    Inherited: the keys stay method.<key>, so overrides, YAML and saved configs read the same in both methods."""
+
+    backbone: Backbone = Backbone.lora  # lora: QLoRA with model.quantization=nf4
+    lora_r: int = 32
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head (peft "all-linear")
+    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class Medusa2Config(BackboneTrainingConfig):
     """Medusa-2 (train/medusa2.py): L = lm_weight·L_LM + heads_weight·s(step)·Σ_k decay^k·CE_k, backbone trained too."""
 
     name: str = "medusa2"
@@ -100,43 +131,29 @@ class Medusa2Config:
     draft_vocab: Optional[int] = None  # S: heads over the S most frequent train-label tokens; null: all V
     init_heads: Optional[str] = None  # start from the heads of a medusa1/medusa2 checkpoint (its structure wins)
     heads_warmup_steps: int = 0  # stage 1 in the same run: heads only, Medusa-1 loss, backbone frozen
-    backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
-    lora_r: int = 32
-    lora_alpha: int = 16
-    lora_dropout: float = 0.05
-    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head (peft "all-linear")
-    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
-    gradient_checkpointing: bool = False
-    lm_loss: str = "ce"  # ce | kl: KL(original ‖ backbone), original = adapters disabled (self-distillation)
+    lm_loss: LmLoss = LmLoss.ce  # kl: KL(original ‖ backbone), original = adapters disabled (self-distillation)
     lm_weight: float = 1.0  # λ0
     heads_weight: float = 0.2  # c
-    head_schedule: str = "constant"  # constant | linear | sine: s(step), ramp of the head term over the joint phase
+    head_schedule: HeadSchedule = HeadSchedule.constant  # s(step), ramp of the head term over the joint phase
     head_schedule_fraction: float = 1.0  # the ramp spans this fraction of the joint phase, then s = 1
     heads_lr_multiplier: float = 4.0  # heads' learning rate = training.learning_rate × this
     guard_max_ppl_increase: float = 0.02  # warn when held-out perplexity rises more than this (relative)
 
 
 @dataclass
-class CllmConfig:
+class CllmConfig(BackboneTrainingConfig):
     """CLLM (train/cllm.py): L = consistency_weight·L_consistency + ar_weight·L_AR on Jacobi trajectories."""
 
     name: str = "cllm"
     trajectories: Optional[str] = None  # JSONL from `python -m data.jacobi` (required)
     block_size: Optional[int] = None  # null: the trajectories' own N; set: must match them (16 or 32 in the paper)
-    init: str = "random"  # Jacobi initialisation the engine uses with this checkpoint: random | pad | repeat
-    consistency: str = "global"  # global: any state -> fixed point | local: each state -> the next one
-    divergence: str = "kl"  # kl: forward KL(teacher ‖ model) | soft_ce: cross-entropy to the teacher distribution
+    init: JacobiInit = JacobiInit.random  # Jacobi initialisation the engine uses with this checkpoint
+    consistency: Consistency = Consistency("global")  # global: any state -> fixed point | local: each state -> the next one
+    divergence: CllmDivergence = CllmDivergence.kl  # kl: forward KL(teacher ‖ model) | soft_ce: CE to the teacher distribution
     consistency_weight: float = 1.0
-    ar_source: str = "target_output"  # target_output: the target's greedy answer | ground_truth: the data's reply | both
+    ar_source: ArSource = ArSource.target_output  # target_output: the target's greedy answer | ground_truth: the data's reply | both
     ar_weight: float = 1.0  # 0 skips the AR term
-    ar_loss: str = "ce"  # ce: next-token CE | kl: KL(original model ‖ trained) on the same tokens (full: frozen copy)
-    backbone: str = "lora"  # lora (QLoRA with model.quantization=nf4) | full
-    lora_r: int = 32
-    lora_alpha: int = 16
-    lora_dropout: float = 0.05
-    lora_target_modules: Optional[list[str]] = None  # null: every linear layer except lm_head
-    merge_adapter: bool = False  # final checkpoint: LoRA merged into a full backbone/ instead of adapter/
-    gradient_checkpointing: bool = False
+    ar_loss: ArLoss = ArLoss.ce  # ce: next-token CE | kl: KL(original model ‖ trained) on the same tokens (full: frozen copy)
 
 
 @dataclass
@@ -146,8 +163,8 @@ class DistillConfig:
     name: str = "distill"
     # the draft causal LM: a conf/model name, hub id, directory, builtin:<name> or early_exit:<model>:<layers>
     draft: str = "builtin:tiny-draft"
-    draft_dtype: str = "fp32"  # the draft's training dtype (bf16 | fp16 | fp32)
-    divergence: str = "fkl"  # fkl | rkl | jsd | tvd
+    draft_dtype: Dtype = Dtype.fp32  # the draft's training dtype
+    divergence: DistillDivergence = DistillDivergence.fkl
     jsd_beta: float = 0.5  # β of the generalised JSD, in (0, 1)
     temperature: float = 1.0  # τ on both models' logits in the loss and the α estimate
     on_policy_fraction: float = 0.0  # share of batches whose responses the draft samples itself (GKD λ)

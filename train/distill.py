@@ -31,8 +31,9 @@ from models.backbone import padded_position_ids
 from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target
 from train.base import StepOutput
+from train.config import DistillDivergence
 
-DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
+DIVERGENCES = tuple(DistillDivergence)
 
 
 def divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor, kind: str, beta: float = 0.5,
@@ -146,8 +147,6 @@ class Method:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.m = cfg.method
-        if self.m.divergence not in DIVERGENCES:
-            raise UsageError(f"method.divergence={self.m.divergence}: choose one of {', '.join(DIVERGENCES)}")
         if not 0 < self.m.jsd_beta < 1:
             raise UsageError(f"method.jsd_beta={self.m.jsd_beta}: must be in (0, 1)")
         if not 0 <= self.m.on_policy_fraction <= 1:

@@ -17,7 +17,6 @@ from torch import nn
 
 from models.checkpoint import BackboneWriter, CheckpointError
 
-BACKBONES = ("lora", "full")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -33,7 +32,7 @@ class BackboneOptions:
 
     @classmethod
     def from_config(cls, method: Any, model: Any) -> "BackboneOptions":
-        """From a method config with backbone / lora_* / gradient_checkpointing keys (medusa2, cllm) and cfg.model."""
+        """From a method config with train.config.BackboneTrainingConfig's keys (medusa2, cllm) and cfg.model."""
         return cls(
             kind=method.backbone,
             quantized=model.quantization not in (None, "none"),

@@ -190,7 +190,7 @@ class Method:
         print(report(table, best_fixed, metrics), flush=True)
         extra = {"method": "stopper", "data": cfg.data.path or cfg.data.name, "draft": m.draft, "metrics": metrics,
                  "command": "python -m train " + shlex.join(sys.argv[1:]),
-                 "config": OmegaConf.to_container(cfg, resolve=True)}
+                 "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
         entry = stopper_entry(model, threshold, m.max_gamma, {k: metrics[k] for k in ("val_log_loss", "draft_cost_ratio")})
         output_dir = Path(cfg.output_dir)
         save_draft_model(output_dir, draft, cfg.model.path, tokenizer, extra, stopper=model, stopper_config=entry,
