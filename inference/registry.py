@@ -116,7 +116,8 @@ class DrafterRequest:
 
 @dataclass(frozen=True)
 class DrafterType:
-    build: Callable[[DrafterRequest, torch.nn.Module, LoadOptions, torch.device], Drafter]
+    # (request, target, options, input device); spec-named drafters may get no target or device (build_from_spec)
+    build: Callable[[DrafterRequest, torch.nn.Module | None, LoadOptions, torch.device | None], Drafter]
     takes: frozenset[str] = frozenset()  # which of OPTIONAL it takes
     checkpoint: bool = False  # named by a checkpoint's drafter_type; else by a spec
 
@@ -153,8 +154,8 @@ def _cllm(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions,
     return JacobiDrafter(jacobi, pad_token_id=model.config.pad_token_id or 0)
 
 
-def _jacobi(request: DrafterRequest, model: torch.nn.Module | None, options: LoadOptions | None = None,
-            device: torch.device | None = None) -> Drafter:
+def _jacobi(request: DrafterRequest, model: torch.nn.Module | None, options: LoadOptions, device: torch.device | None
+            ) -> Drafter:
     pad = 0 if model is None else model.config.pad_token_id or 0
     return JacobiDrafter(JacobiOptions.from_spec(request.spec), pad_token_id=pad)
 
@@ -184,8 +185,8 @@ def build_training_free(name: str, options: Mapping[str, str]) -> Drafter:
     return KEYWORD_DRAFTERS[name](**kwargs)
 
 
-def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: LoadOptions | None = None,
-             device: torch.device | None = None) -> Drafter:
+def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: LoadOptions, device: torch.device | None
+             ) -> Drafter:
     return build_training_free(request.spec.name, dict(request.spec.options))
 
 
