@@ -30,6 +30,7 @@ Summary definitions:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -158,11 +159,8 @@ def check_bench_args(args: argparse.Namespace) -> list[str]:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'draftsmith[plots]'") from None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # found, not imported: that waits for the plots
+        raise UsageError("--plot needs matplotlib: pip install 'draftsmith[plots]'")
     return baselines
 
 
