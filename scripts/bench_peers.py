@@ -29,6 +29,7 @@ import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
+from dataclasses import replace
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,10 +40,9 @@ import transformers  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
 from inference.api import Engine, attach, load  # noqa: E402
-from inference.registry import LoadOptions, build_from_spec, resolve  # noqa: E402
-from inference.bench import is_draft_model  # noqa: E402
+from inference.registry import CLI, LoadOptions, build_from_spec, resolve  # noqa: E402
+from inference.bench import write_atomic  # noqa: E402
 from inference.bench_methods import HFRunner, Sampling, assisted_settings, pld_defaults  # noqa: E402
-from inference.draft_stop import check_stop_spec  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from inference.greedy_ties import Fp64Judge, TieVerdict, first_divergence  # noqa: E402
 from inference.peer_bench import (METHODS, PeerBenchError, cartesian_choices, cartesian_paths,  # noqa: E402
@@ -64,6 +64,7 @@ EAGLE_REASON = ("eagle-llm 1.2.1 decodes only with a trained EAGLE draft head fo
                 "target's features); none exists for SmolLM2 and training one is out of this bench's scope, and an "
                 "untrained head would measure nothing fair")
 WARMUP_TOKENS = 8
+DRAFT_NAMING = replace(CLI, drafter="--draft")  # registry errors name this script's flags
 Turn = dict[str, Any]
 
 
@@ -115,14 +116,17 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
         if len(choices) - 1 != heads:
             raise fail(f"--medusa-choices {choices}: one k per head after the leading 1; {args.heads} has {heads} heads")
     if "hf_assisted" in peers:
-        if not is_draft_model(args.draft):
+        try:
+            draft = resolve(args.draft, args.base, DRAFT_NAMING)
+        except UsageError as e:
+            raise fail(str(e)) from None
+        if draft.type != "draft_model":
             raise fail(f"--draft {args.draft}: not a causal LM directory, builtin:<name>, early_exit:<model>:<N> or "
                        f"draft_model checkpoint")
-        if args.draft_stop is not None:
-            try:
-                check_stop_spec(args.draft_stop, False)
-            except (UsageError, ValueError) as e:
-                raise fail(f"--draft-stop: {e}") from None
+        try:
+            draft.check(LoadOptions(draft_stop=args.draft_stop), DRAFT_NAMING)  # `learned` needs its stopper
+        except UsageError as e:
+            raise fail(f"--draft-stop: {e}") from None
     if is_set_spec(args.prompts):
         try:
             parse_sets(args.prompts)
@@ -396,12 +400,6 @@ def render(record: dict[str, Any]) -> str:
     for peer, patches in record.get("patches", {}).items():
         lines += [f"runtime patches of {peer}:"] + [f"  - {p}" for p in patches]
     return "\n".join(lines)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -199,3 +199,25 @@ def test_build_ours_serves_every_method_on_one_target_losslessly(tmp_path):
         turn = run(prompt, 10)
         assert turn["tokens"] == reference["tokens"], name
         assert turn["wall"] > 0 and turn["forwards"] >= 1
+
+
+def test_learned_draft_stop_follows_the_draft_checkpoint(tmp_path, capsys):
+    """`--draft-stop learned` is refused for a draft without a stopper and taken for a draft_model checkpoint that
+    has one (checked through the registry, before anything loads)."""
+    from models.checkpoint import save_draft_model
+    from models.stopper import StopperModel, stopper_entry
+    from tests.test_checkpoint_writer import tiny_lm
+    from tests.test_early_exit import load_script
+
+    script = load_script("bench_peers")
+    stopper = StopperModel(4)
+    save_draft_model(tmp_path / "with-stopper", tiny_lm(), "builtin:tiny", stopper=stopper,
+                     stopper_config=stopper_entry(stopper, 0.5, 4))
+    save_draft_model(tmp_path / "without", tiny_lm(), "builtin:tiny")
+    args = script.parse_args(["--peers", "hf_assisted", "--draft", str(tmp_path / "with-stopper"),
+                              "--draft-stop", "learned", "--prompts", "mt_bench:1"])
+    assert script.check_args(args) == (["hf_assisted"], None)
+    args.draft = str(tmp_path / "without")
+    with pytest.raises(SystemExit) as exit_:
+        script.check_args(args)
+    assert exit_.value.code == 2 and "has no stopper" in capsys.readouterr().err
