@@ -43,7 +43,7 @@ from data.errors import UsageError
 from inference.cli import build_parser, one_line
 from inference.drafters import NoDrafter
 from inference.prompt_sets import Question, load_questions
-from inference.session import encode_messages, open_session
+from inference.session import check_model_args, encode_messages, open_session
 
 METHOD_KEYS = {"args", "own_ar", "categories", "versus"}
 PLAN_KEYS = {"common", "baselines", "methods"}
@@ -195,6 +195,10 @@ def check_plan(plan: Plan) -> tuple[argparse.Namespace, dict[str, argparse.Names
         for flag, value in (("--drafter", args.drafter), ("--tree", args.tree)):
             if value and ("/" in value or value.endswith(".json")) and not Path(value).exists():
                 raise UsageError(f"{plan.path}: methods.{m.name}: {flag} {value}: not found")
+        try:
+            check_model_args(args)  # the drafter and the options its type takes, as open_session will
+        except UsageError as e:
+            raise UsageError(f"{plan.path}: methods.{m.name}: {e}") from None
         method_args[m.name] = args
     return base_args, method_args
 

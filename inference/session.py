@@ -19,7 +19,7 @@ from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
 from inference.api import attach, load
 from inference.drafter_spec import DrafterSpec
-from inference.registry import CLI, LoadOptions, named_spec, resolve, spec_names
+from inference.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
 from models.loading import TOKENIZER_FILES, load_tokenizer, model_settings
 
 
@@ -116,23 +116,30 @@ def _trained_chat_template(config: dict[str, Any] | None) -> str | None:
     return None
 
 
+def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOptions]:
+    """Every model option (see `add_model_args`) that can be checked without loading a model: the drafter resolved
+    (inference.registry) and the options its type takes, threads, placement. Raises UsageError (one line)."""
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
+    options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab)
+    request.check(options, CLI)
+    if args.device_map is not None and args.device is not None:
+        raise UsageError("--device and --device-map are exclusive: the device map places every layer")
+    if args.offload_folder is not None and args.device_map is None:
+        raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
+    return request, options
+
+
 def open_session(args: argparse.Namespace, share: Session | None = None) -> Session:
     """Load base model, drafter and tokenizer from the common options (see `add_model_args`). With `share`, a
     session whose target was loaded from the same model with the same dtype, quantization and placement lends it
     (one copy of the weights for several drafters in one benchmark); a drafter that ships its own fine-tuned target
     (Medusa-2, CLLM) always loads that one."""
+    request, options = check_model_args(args)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     name = args.drafter or "none"
-    request = resolve(drafter_spec(name, args.drafter_option), args.base, CLI)
-    options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab)
-    request.check(options, CLI)  # before any model loads
-    if args.device_map is not None and args.device is not None:
-        raise UsageError("--device and --device-map are exclusive: the device map places every layer")
-    if args.offload_folder is not None and args.device_map is None:
-        raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
     config = request.config
     base_arg = request.base
     settings = model_settings(base_arg)

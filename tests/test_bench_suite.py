@@ -72,6 +72,7 @@ def test_plan_errors_name_the_file_and_key(tmp_path, text, needle):
     ("a: --drafter prompt_lookup --colour red", "methods.a: '--colour' is not an option"),
     ("a: --tree chain", "methods.a: needs --drafter"),
     ("a: --drafter {tmp}/no-such-checkpoint", "--drafter {tmp}/no-such-checkpoint: not found"),
+    ("a: --drafter prompt_lookup --tree chain", "methods.a: --tree does not apply to drafter 'prompt_lookup'"),
     ("a: {{args: --drafter prompt_lookup, categories: [writing]}}", "methods.a.categories ['writing']: no such"),
     ("a: --drafter prompt_lookup\nb: --drafter prompt_lookup --temperature -1", "methods.b: --temperature"),
 ])
