@@ -17,6 +17,7 @@ import re
 import sys
 import typing
 from enum import Enum
+from collections.abc import Iterator
 from importlib import resources
 
 from hydra import compose, initialize_config_module
@@ -54,14 +55,20 @@ def pop_local_rank(argv: list[str]) -> list[str]:
     return kept
 
 
+def _causes(e: BaseException | None) -> Iterator[BaseException]:
+    """`e`, then the exception it was raised from, and so on (Hydra wraps OmegaConf's errors)."""
+    while e is not None:
+        yield e
+        e = e.__cause__
+
+
 def _one_line(e: BaseException) -> str:
     parts = []
-    while e is not None:
-        text = str(e).strip()
+    for cause in _causes(e):
+        text = str(cause).strip()
         if text:
             lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
             parts.append("; ".join(lines))
-        e = e.__cause__
     return ": ".join(dict.fromkeys(parts))  # drop repeats, keep order
 
 
@@ -100,10 +107,9 @@ def missing_option_message(e: MissingConfigException) -> str | None:
 def unknown_key_from(e: BaseException) -> str | None:
     """"unknown config key ..." when `e` (or an exception it was raised from) is OmegaConf refusing a key that its
     structured node lacks: taken from that exception's full_key and object_type (the schema), else None."""
-    while e is not None:
+    for e in _causes(e):
         if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and e.full_key and dataclasses.is_dataclass(e.object_type):
             return unknown_key_message(e.full_key, e.object_type.__name__)
-        e = e.__cause__
     return None
 
 
@@ -111,7 +117,7 @@ def choice_message(e: BaseException) -> str | None:
     """"<key>=<value>: choose one of ..." when `e` (or an exception it was raised from) is OmegaConf refusing a value
     of an Enum-typed schema field (train.config's choices), else None. Built from the ValidationError's full_key, key,
     value and object_type, and the field's type hint: not from the message's text."""
-    while e is not None:
+    for e in _causes(e):
         if isinstance(e, ValidationError) and dataclasses.is_dataclass(e.object_type) and e.full_key:
             hint = typing.get_type_hints(e.object_type).get(str(e.key))
             kinds = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
@@ -119,7 +125,6 @@ def choice_message(e: BaseException) -> str | None:
             if enum is not None:
                 allowed = (["null"] if type(None) in kinds else []) + [m.value for m in enum]
                 return f"{e.full_key}={e.value}: choose one of {', '.join(allowed)}"
-        e = e.__cause__
     return None
 
 
