@@ -47,10 +47,11 @@ from inference.bandwidth import copy_bandwidth, host_info, weight_bytes
 from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
                                      build_runners, pld_defaults)
 from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
-from inference.draft_model import DraftModelDrafter, is_plain_model, load_draft_model
+from inference.draft_model import DraftModelDrafter, load_draft_model
 from inference.greedy_ties import Fp64Judge
 from inference.prompt_sets import DEFAULT_QUESTIONS, PROMPT_SETS, Question, load_questions
-from inference.session import (add_model_args, add_sampling_args, check_sampling, checkpoint_config, encode_messages,
+from inference.registry import names_draft_model
+from inference.session import (add_model_args, add_sampling_args, check_sampling, encode_messages,
                                open_session)
 
 WARMUP_TOKENS = 32
@@ -125,13 +126,6 @@ def _slug(name: str) -> str:
     return Path(name.rstrip("/")).name.replace(":", "-") or "model"
 
 
-def is_draft_model(name: str | None) -> bool:
-    """A plain causal LM (dir or builtin:<name>) or a draftsmith draft_model checkpoint."""
-    if not name:
-        return False
-    return is_plain_model(name) or (checkpoint_config(name) or {}).get("drafter_type") == "draft_model"
-
-
 def check_bench_args(args: argparse.Namespace) -> list[str]:
     """Everything about the bench options that can fail before a model loads; returns the baselines."""
     check_sampling(args)
@@ -146,13 +140,13 @@ def check_bench_args(args: argparse.Namespace) -> list[str]:
     if args.assistant is not None:
         if "hf_assisted" not in baselines:
             raise UsageError("--assistant applies to --baselines hf_assisted")
-        if is_draft_model(args.drafter):
+        if names_draft_model(args.drafter):
             raise UsageError(f"--assistant: --drafter {args.drafter} is a draft model already and hf_assisted "
                              f"uses it; drop --assistant")
-        if not is_draft_model(args.assistant):
+        if not names_draft_model(args.assistant):
             raise UsageError(f"--assistant {args.assistant}: not a causal LM directory, builtin:<name> or "
                              f"draft_model checkpoint")
-    elif "hf_assisted" in baselines and not is_draft_model(args.drafter):
+    elif "hf_assisted" in baselines and not names_draft_model(args.drafter):
         raise UsageError(f"--baselines hf_assisted needs a draft model: --drafter {args.drafter or 'none'} is not "
                          f"one; name one with --assistant PATH")
     if args.limit is not None and args.limit < 1:

@@ -253,6 +253,17 @@ def resolve(drafter: str | Path | None, base: str | None = None, naming: Naming 
     return request
 
 
+def names_draft_model(drafter: str | Path | None) -> bool:
+    """True when `drafter` resolves to a draft model (a plain causal LM or a draft_model checkpoint). Never raises:
+    an argument `resolve` would refuse is simply not a draft model here (its own check reports it)."""
+    if drafter is None:
+        return False
+    try:
+        return resolve(drafter, base="(any)").type == "draft_model"
+    except (UsageError, CheckpointError):
+        return False
+
+
 def build_from_spec(spec: str | DrafterSpec, model: torch.nn.Module | None = None) -> Drafter:
     """"name" or "name:key=value,key=value" of a drafter without a checkpoint -> that drafter (`model`: the target,
     for drafters that read its config)."""

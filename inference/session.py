@@ -7,7 +7,6 @@ Bad input raises data.errors.UsageError (one line); inference.cli prints it and 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -163,18 +162,6 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
     tokenizer = load_tokenizer(tokenizer_path)
     chat_template = args.chat_template or settings["chat_template"] or _trained_chat_template(config)
     return Session(engine, tokenizer, chat_template, base_arg, name, config, target)
-
-
-def checkpoint_config(name: str) -> dict[str, Any] | None:
-    """config.json of a draftsmith checkpoint directory (one naming a drafter_type), else None."""
-    path = Path(name) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None  # not ours to judge here: `load` reports a broken checkpoint with its file name
-    return data if isinstance(data, dict) and "drafter_type" in data else None
 
 
 def encode_messages(session: Session, messages: list[dict[str, str]], raw_hint: bool = False) -> list[int]:

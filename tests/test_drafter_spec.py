@@ -9,7 +9,8 @@ from data.errors import UsageError
 from inference.drafter_spec import DrafterSpec
 from inference.jacobi import JacobiOptions
 from inference.session import drafter_spec
-from inference.registry import API, CLI, DRAFTERS, LoadOptions, build_from_spec, named_spec, resolve, spec_names
+from inference.registry import (API, CLI, DRAFTERS, LoadOptions, build_from_spec, named_spec, names_draft_model,
+                                resolve, spec_names)
 from models.checkpoint import CheckpointError
 
 
@@ -65,6 +66,20 @@ def test_resolve_tells_every_kind_of_argument_apart(tmp_path):
     heads = resolve(str(ckpt))
     assert heads.type == "medusa" and heads.base == "builtin:tiny"  # the checkpoint's base by default
     assert resolve(str(ckpt), "other").base == "other"
+
+
+def test_names_draft_model_asks_the_registry_and_never_raises(tmp_path):
+    """The bench's hf_assisted check: a plain causal LM or a draft_model checkpoint; anything else (including what
+    `resolve` refuses) is not one."""
+    draft, heads, broken = tmp_path / "draft", tmp_path / "heads", tmp_path / "broken"
+    for path, kind in ((draft, "draft_model"), (heads, "medusa")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"drafter_type": kind, "base_model_name_or_path": "builtin:tiny"}))
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert names_draft_model("builtin:tiny-draft") and names_draft_model(str(draft))
+    for other in (str(heads), str(broken), str(tmp_path / "missing"), "prompt_lookup", "none", None):
+        assert not names_draft_model(other), other
 
 
 @pytest.mark.parametrize("drafter, base, naming, message", [
