@@ -137,6 +137,11 @@ class MedusaHeads(nn.Module):
             return self._shared_projection(h, base_lm_head)
         return head.lm_head(h)
 
+    def base_logits(self, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """The base lm_head's logits over the heads' vocabulary: [..., D] -> [..., V|S] (the target's own next-token
+        logits, columns as in head_logits)."""
+        return self._shared_projection(hidden, base_lm_head)
+
     def _shared_projection(self, h: torch.Tensor, base_lm_head: nn.Module | None) -> torch.Tensor:
         """[..., D] through the base lm_head: all V rows, or only the draft vocabulary's S rows."""
         if base_lm_head is None:

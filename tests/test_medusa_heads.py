@@ -94,3 +94,60 @@ def test_fp32_heads_sharing_a_bf16_lm_head_train():
     assert heads(hidden, lm_head).shape == (2, 2, 5, 40)
     medusa_loss(heads, hidden, torch.randint(0, 40, (2, 5)), 0.8, lm_head).loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.parameters())
+
+
+@pytest.mark.parametrize("weight", [0.5, 1.0])
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_soft_label_loss_equals_naive_per_position_loop(weight, draft_vocab):
+    """(1 - w) · CE(x_{t+k+1}) + w · CE(softmax(lm_head(h_{t+k}))): the target's own distribution one step before the
+    head's token, over the heads' vocabulary (renormalised over the draft ids), values and gradients."""
+    heads, base = make_heads(num_heads=3, num_layers=1, seed=2)
+    if draft_vocab:
+        ids = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:20]
+        config = MedusaConfig(**{**heads.config.__dict__, "draft_vocab_size": 20})
+        heads = MedusaHeads(config)
+        heads.set_draft_vocab(ids)
+        heads.init_from_base(base)
+    for p in heads.parameters():
+        nn.init.normal_(p, std=0.3)
+    B, T, decay = 2, 10, 0.8
+    hidden = torch.randn(B, T, D)
+    labels = torch.randint(0, V, (B, T))
+    labels[0, :3] = -100
+    out = medusa_loss(heads, hidden, labels, decay, soft_weight=weight, base_lm_head=base)
+
+    naive = torch.zeros(())
+    for k in range(1, 4):
+        logits = heads.head_logits(k - 1, hidden)  # [B, T, V|S]
+        targets = heads.draft_targets(head_targets(labels, k))
+        total, count = torch.zeros(()), 0
+        for b in range(B):
+            for t in range(T):
+                if targets[b, t] == -100:
+                    continue
+                teacher = base(hidden[b, t + k])  # [V]: the target's prediction of x_{t+k+1}
+                if draft_vocab:
+                    teacher = teacher[heads.vocab_ids]
+                log_q = logits[b, t].log_softmax(-1)
+                hard = -log_q[targets[b, t]]
+                soft = -(teacher.softmax(-1).detach() * log_q).sum()
+                total = total + (1 - weight) * hard + weight * soft
+                count += 1
+        naive = naive + decay**k * total / count
+    torch.testing.assert_close(out.loss, naive)
+    grads = torch.autograd.grad(out.loss, list(heads.parameters()), allow_unused=True)
+    naive_grads = torch.autograd.grad(naive, list(heads.parameters()), allow_unused=True)
+    for g, n in zip(grads, naive_grads):
+        if n is None:
+            assert g is None or g.abs().sum() == 0
+        else:
+            torch.testing.assert_close(g, n)
+    assert {"head1_soft_loss", "head3_soft_loss"} <= set(out.metrics)
+    out = medusa_loss(heads, hidden, labels, decay, soft_weight=weight, base_lm_head=base)
+    assert torch.autograd.grad(out.loss, [base.weight], allow_unused=True) == (None,)  # the teacher is a constant
+
+
+def test_soft_labels_without_the_target_lm_head_are_refused():
+    heads, _ = make_heads()
+    with pytest.raises(ValueError, match="base_lm_head"):
+        medusa_loss(heads, torch.randn(1, 6, D), torch.randint(0, V, (1, 6)), 0.8, soft_weight=0.5)

@@ -197,10 +197,13 @@ def test_self_distillation_trains_on_the_targets_own_greedy_answers(tiny_model_d
 
 
 def test_draft_vocabulary_trains_on_the_most_frequent_labels(tiny_model_dir, sharegpt_file, tmp_path):
-    """method.draft_vocab=S: the heads predict over the S most frequent train labels, ship them, and serve exactly."""
+    """method.draft_vocab=S: the heads predict over the S most frequent train labels, ship them, and serve exactly;
+    with method.soft_labels they also learn the target's own distribution over those S tokens."""
     out = tmp_path / "draft_vocab"
-    result = train(tiny_model_dir, sharegpt_file, out, "method.draft_vocab=24", "method.share_lm_head=true")
+    result = train(tiny_model_dir, sharegpt_file, out, "method.draft_vocab=24", "method.share_lm_head=true",
+                   "method.soft_labels=0.5")
     assert_ok(result)
+    assert "head1_soft_loss" in result.stdout + result.stderr
     loaded = load_drafter(out)
     from safetensors.torch import load_file
 
@@ -219,3 +222,6 @@ def test_draft_vocabulary_trains_on_the_most_frequent_labels(tiny_model_dir, sha
     too_big = train(tiny_model_dir, sharegpt_file, tmp_path / "too_big", "method.draft_vocab=100000")
     assert too_big.returncode != 0 and "method.draft_vocab=100000" in too_big.stderr
     assert "Traceback" not in too_big.stderr
+    bad_weight = train(tiny_model_dir, sharegpt_file, tmp_path / "bad_weight", "method.soft_labels=1.5")
+    assert bad_weight.returncode != 0 and "method.soft_labels=1.5" in bad_weight.stderr
+    assert "Traceback" not in bad_weight.stderr and not (tmp_path / "bad_weight").exists()

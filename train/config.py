@@ -102,6 +102,9 @@ class Medusa1Config:
     # S: heads predict over the S most frequent train-label tokens (EAGLE-3's draft vocabulary); null: all V.
     # On a 32k-150k vocabulary the heads' V x D projections cost more than a small target itself.
     draft_vocab: Optional[int] = None
+    # w in [0, 1]: each head's loss is (1 - w) · CE(next tokens of the data) + w · CE(the frozen target's own
+    # distribution at t+k, from the same forward pass). w > 0 distils the target on any text, no generation needed.
+    soft_labels: float = 0.0
 
 
 @dataclass
@@ -270,7 +273,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "dataloader_num_workers": NATURAL,
     },
     EvalConfig: {"greedy_prompts": NATURAL, "greedy_new_tokens": POSITIVE, "max_batches": POSITIVE},
-    Medusa1Config: HEADS,
+    Medusa1Config: {**HEADS, "soft_labels": PROBABILITY},
     Medusa2Config: {
         **HEADS, **LORA, "heads_warmup_steps": NATURAL,
         "lm_weight": Range(),  # λ0 < 0 ascends the LM loss (tests trip the quality guard with it)

@@ -1,8 +1,12 @@
 """Medusa-1: frozen backbone, K trainable heads.
 
 Loss (Medusa paper, Eq. 1, with the decay weights of the reference implementation):
-    L = Σ_{k=1..K} λ^k · CE(head_k(h_t), x_{t+k+1})
-λ = cfg.method.decay; λ = 1 gives the original repository's plain sum.
+    L = Σ_{k=1..K} λ^k · [(1 - w) · CE(head_k(h_t), x_{t+k+1}) + w · CE(head_k(h_t), p_{t+k})]
+λ = cfg.method.decay; λ = 1 gives the original repository's plain sum. w = cfg.method.soft_labels (default 0: hard
+labels only): p_{t+k} = softmax(lm_head(h_{t+k})) is the frozen target's own next-token distribution at t+k, read off
+the same forward pass (no generation), restricted to the heads' vocabulary. It is the self-distillation target of
+Medusa §2.3.3 without the generated answers: head k learns what the target would say at t+k+1, with its second
+choices, on any text.
 Dimension letters: B batch, T time, K heads, N selected positions, D hidden, V vocab.
 """
 
@@ -54,18 +58,25 @@ def medusa_loss(
     labels: torch.Tensor,
     decay: float,
     lm_head: nn.Module | None = None,
+    soft_weight: float = 0.0,
+    base_lm_head: nn.Module | None = None,
 ) -> StepOutput:
     """Σ_k λ^k · CE_k over positions whose head-k target is a trained token (inside the draft vocabulary, if any).
 
     hidden [B, T, D], labels [B, T] unshifted (-100 = untrained). Only positions where some head has a target are
-    projected onto the vocabulary, so padding and prompt tokens cost nothing.
+    projected onto the vocabulary, so padding and prompt tokens cost nothing. `lm_head`: the base lm_head the heads
+    share (share_lm_head heads only). soft_weight w > 0 mixes in the soft-label term (module docstring); it needs
+    `base_lm_head`, the frozen target's.
     """
+    if soft_weight > 0 and base_lm_head is None:
+        raise ValueError("medusa_loss: soft_weight > 0 needs base_lm_head (the target's soft labels)")
     K = heads.config.num_heads
     full = torch.stack([head_targets(labels, k) for k in range(1, K + 1)])  # [K, B, T] full token ids
     targets = heads.draft_targets(full)  # [K, B, T] indices into the heads' logits; outside a draft vocabulary: -100
     keep = (targets != -100).any(0)  # [B, T]
     h = hidden[keep]  # [N, D]
     targets = targets[:, keep]  # [K, N]
+    batch_pos = keep.nonzero()  # [N, 2] (b, t) of each kept position
     loss = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
     if heads.config.draft_vocab_size is not None:  # share of the targets the draft vocabulary can express at all
@@ -75,10 +86,24 @@ def medusa_loss(
         valid = targets[k] != -100
         if valid.any():
             ce = F.cross_entropy(logits[valid], targets[k][valid])
-            loss = loss + decay ** (k + 1) * ce
             metrics[f"head{k + 1}_loss"] = ce.detach()
+            if soft_weight > 0:
+                b, t = batch_pos[valid].unbind(-1)  # head k+1 at t predicts x_{t+k+2}, as the target does at t+k+1
+                soft = soft_labels(heads, hidden[b, t + k + 1], base_lm_head)  # [n, V|S]
+                soft_ce = F.cross_entropy(logits[valid], soft)
+                metrics[f"head{k + 1}_soft_loss"] = soft_ce.detach()
+                ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+            loss = loss + decay ** (k + 1) * ce
             metrics.update(topk_accuracy(logits[valid].detach(), targets[k][valid], f"head{k + 1}"))
     return StepOutput(loss=loss, metrics=metrics)
+
+
+@torch.no_grad()
+def soft_labels(heads: MedusaHeads, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+    """The frozen target's next-token distribution over the heads' vocabulary: [n, D] -> [n, V|S] probabilities
+    (fp32; renormalised over the S draft-vocabulary tokens when the heads have one)."""
+    with gathered([base_lm_head.weight]):  # ZeRO-3 partitions the frozen target: read its full lm_head
+        return heads.base_logits(hidden, base_lm_head).float().softmax(-1)
 
 
 def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
@@ -157,8 +182,10 @@ class Method:
     def forward_loss(self, model: MedusaTrainModule, batch: dict[str, torch.Tensor]) -> StepOutput:
         model.target.eval()  # Trainer calls model.train(); the frozen backbone keeps eval semantics (no dropout)
         hidden = model.hidden(batch["input_ids"], batch["attention_mask"])
-        lm_head = model.lm_head() if model.heads.config.share_lm_head else None
-        return medusa_loss(model.heads, hidden, batch["labels"], self.m.decay, lm_head)
+        base = model.lm_head()
+        shared = base if model.heads.config.share_lm_head else None
+        return medusa_loss(model.heads, hidden, batch["labels"], self.m.decay, shared,
+                           soft_weight=self.m.soft_labels, base_lm_head=base)
 
     @torch.no_grad()
     def evaluate(self, model: MedusaTrainModule, batches: Iterable, tokenizer: Any, prompts: list[list[int]]) -> dict[str, float]:
