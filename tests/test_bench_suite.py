@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.bench_suite import main, read_plan
+from inference.bench_suite import bench_namespace, main, read_plan
 from data.errors import UsageError
 from tests.test_bench import data_dir, models  # noqa: F401  (fixtures: prompt sets, tiny target + draft)
 
@@ -106,3 +106,15 @@ def test_methods_share_the_baselines_target_when_it_is_the_same(models):
     assert draft.engine.drafter.model is not base.engine.model  # the draft model is its own
     other = open_session(args("--dtype", "bf16", "--drafter", "prompt_lookup"), share=base)
     assert other.engine.model is not base.engine.model  # another dtype: another copy
+
+
+@pytest.mark.parametrize("plan_file", sorted((Path(__file__).resolve().parents[1] / "conf" / "bench").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_plan_reads_and_its_flags_are_bench_flags(plan_file):
+    """The plans in conf/bench: keys, names and every method's flags as `python -m inference bench` parses them
+    (the checkpoints they name come from the README's commands and need not exist here)."""
+    plan = read_plan(plan_file)
+    assert plan.methods and {"ar", "hf"} <= set(plan.baselines)
+    for method in plan.methods:
+        args = bench_namespace(plan, method.args, f"methods.{method.name}")
+        assert args.drafter and args.base == "smollm2" and args.max_new_tokens == 128
