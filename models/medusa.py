@@ -150,7 +150,8 @@ class MedusaHeads(nn.Module):
         if self.vocab_ids is None:
             return base_lm_head(h)
         weight = base_lm_head.weight
-        if weight.device.type == "meta" or not weight.is_floating_point():  # offloaded or quantized: full V, select
+        # offloaded, quantized or ZeRO-3-partitioned (`ds_id`: its module's hooks gather it): full V, then select
+        if weight.device.type == "meta" or not weight.is_floating_point() or hasattr(weight, "ds_id"):
             return base_lm_head(h).index_select(-1, self.vocab_ids.to(h.device))
         return F.linear(h, weight.index_select(0, self.vocab_ids.to(weight.device)))  # [..., S]
 

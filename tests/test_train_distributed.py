@@ -142,6 +142,21 @@ def test_zero3_torchrun_equals_one_process(baseline, zero3_run):
 
 
 @pytest.mark.distributed
+def test_soft_labels_under_zero3_equal_one_process(model_dir, data_file, tmp_path):
+    """method.soft_labels reads the frozen target's lm_head (its draft-vocabulary rows), which ZeRO-3 partitions: read
+    through the module, whose hooks gather it, the run equals one process (losses and heads)."""
+    soft = ("method.soft_labels=1.0", "method.draft_vocab=64")
+    one = train(one_process(), model_dir, data_file, tmp_path / "one", 4, *soft)
+    three = train(torchrun(), model_dir, data_file, tmp_path / "zero3", 2, "deepspeed=zero3", *soft)
+    assert "head1_soft_loss" in one and "head1_soft_loss" in three
+    expected, got = losses(tmp_path / "one"), losses(tmp_path / "zero3")
+    assert got.keys() == expected.keys()
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5)
+    assert_same_heads(heads(tmp_path / "zero3"), heads(tmp_path / "one"), atol=1e-4)
+
+
+@pytest.mark.distributed
 def test_zero3_resume_continues_exactly(model_dir, data_file, zero3_run, tmp_path):
     out = tmp_path / "resumed"
     (out / "checkpoints").mkdir(parents=True)

@@ -102,8 +102,7 @@ def medusa_loss(
 def soft_labels(heads: MedusaHeads, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
     """The frozen target's next-token distribution over the heads' vocabulary: [n, D] -> [n, V|S] probabilities
     (fp32; renormalised over the S draft-vocabulary tokens when the heads have one)."""
-    with gathered([base_lm_head.weight]):  # ZeRO-3 partitions the frozen target: read its full lm_head
-        return heads.base_logits(hidden, base_lm_head).float().softmax(-1)
+    return heads.base_logits(hidden, base_lm_head).float().softmax(-1)
 
 
 def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
