@@ -76,7 +76,7 @@ def medusa_loss(
     keep = (targets != -100).any(0)  # [B, T]
     h = hidden[keep]  # [N, D]
     targets = targets[:, keep]  # [K, N]
-    batch_pos = keep.nonzero()  # [N, 2] (b, t) of each kept position
+    batch_pos = keep.nonzero() if soft_weight > 0 else None  # [N, 2] (b, t) of each kept position: soft labels
     loss = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
     if heads.config.draft_vocab_size is not None:  # share of the targets the draft vocabulary can express at all
