@@ -26,10 +26,12 @@ from models.loading import load_target
 class Engine:
     """A target model and its drafter, ready to generate. Build with `load`."""
 
-    def __init__(self, model: torch.nn.Module, drafter: Drafter, drafter_config: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, drafter: Drafter, drafter_config: dict[str, Any] | None = None,
+                 cpu_kernel: bool = True) -> None:
         self.model = model
         self.drafter = drafter
         self.drafter_config = drafter_config
+        self.cpu_kernel = cpu_kernel  # few-row bf16 CPU linears through inference.cpu_kernels (False: stock only)
 
     @property
     def device(self) -> torch.device:
@@ -66,6 +68,7 @@ class Engine:
             acceptance=acceptance,
             eos_token_ids=eos,
             stop_sequences=tuple(tuple(int(t) for t in s) for s in stop),
+            cpu_kernel=self.cpu_kernel,
         )
         generator = None
         if seed is not None:

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from inference.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.cpu_kernels import fast_linears
 from inference.devices import cuda_sync, input_device
 from inference.drafters import DecodeState, Draft, Drafter, NoDrafter
 from inference.tree import tree_on
@@ -44,6 +45,7 @@ class DecodeConfig:
     typical_delta: float = 0.3
     eos_token_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # generation stops after any of these id sequences
+    cpu_kernel: bool = True  # few-row bf16 CPU linears through inference.cpu_kernels (stock where unsupported)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -264,6 +266,24 @@ def generate(
     if not bool(pad_mask[:, -1].all()):
         raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
     check_window(model, input_ids.shape[1] + config.max_new_tokens)
+    with fast_linears(model, *drafter_modules(drafter), enabled=config.cpu_kernel):
+        return _generate(model, input_ids, pad_mask, drafter, config, stream, generator)
+
+
+def drafter_modules(drafter: Drafter) -> list[torch.nn.Module]:
+    """The modules a drafter holds as attributes (heads, a draft model, a stopper), for `fast_linears`."""
+    return [value for value in getattr(drafter, "__dict__", {}).values() if isinstance(value, torch.nn.Module)]
+
+
+def _generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    pad_mask: torch.Tensor,
+    drafter: Drafter,
+    config: DecodeConfig,
+    stream: Callable[[int, list[int]], bool | None] | None,
+    generator: torch.Generator | None,
+) -> GenerationOutput:
     clock = _Clock(sync=cuda_sync(model))
     start = time.perf_counter()
     with clock("prefill"):

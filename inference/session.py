@@ -64,6 +64,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                                            "(default: the checkpoint's training setting, else the tokenizer's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--no-cpu-kernel", action="store_true",
+                   help="run the target's bf16 CPU linears on stock PyTorch only (default: decode steps of up to "
+                        "4 rows use the engine's own kernel where the CPU has AVX-512; see inference.cpu_kernels)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -155,6 +158,7 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
             device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
             head_vocab=args.head_vocab,
         )
+    engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)
     tokenizer_path = args.tokenizer
     if tokenizer_path is None:
         own = config is not None and args.base is None and any((Path(name) / f).is_file() for f in TOKENIZER_FILES)

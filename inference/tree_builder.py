@@ -33,6 +33,7 @@ from data.config import load_data_config
 from data.datasets import load_conversations
 from data.errors import UsageError
 from inference.api import MEDUSA_TOPK, Engine
+from inference.cpu_kernels import fast_linears
 from inference.devices import input_device
 from inference.drafters import Draft, MedusaDrafter, NoDrafter
 from inference.generate import DecodeConfig, forward_tree, prefill
@@ -186,7 +187,7 @@ def _timed(fn: Any, reps: int, cuda: bool) -> float:
 
 @torch.no_grad()
 def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[int], reps: int,
-                         needs_hidden: bool = True, seed: int = 0) -> CostCurve:
+                         needs_hidden: bool = True, seed: int = 0, cpu_kernel: bool = True) -> CostCurve:
     """t(K): the engine's tree forward of K nodes (a star tree: attention cost barely depends on the shape) on a
     cache of `context` random tokens, plus greedy verification of its logits."""
     device = input_device(model)
@@ -195,16 +196,17 @@ def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[i
     ids = torch.randint(vocab, (1, context), generator=gen).to(device)
     state = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), DecodeConfig(), needs_hidden, None)
     seconds = []
-    for k in sizes:
-        tree = build_tree([(r,) for r in range(k - 1)], num_heads=1, topk=max(k - 1, 1), device=device)
-        draft = Draft(tree=tree, tokens=torch.randint(vocab, (1, k), generator=gen).to(device))
+    with fast_linears(model, enabled=cpu_kernel):  # the kernels the engine serves with
+        for k in sizes:
+            tree = build_tree([(r,) for r in range(k - 1)], num_heads=1, topk=max(k - 1, 1), device=device)
+            draft = Draft(tree=tree, tokens=torch.randint(vocab, (1, k), generator=gen).to(device))
 
-        def step() -> None:
-            logits, _ = forward_tree(model, state, draft, needs_hidden)
-            verify_greedy(draft.tokens, logits, draft.tree)
-            state.cache.crop(-k)  # drop the K tree slots again
+            def step() -> None:
+                logits, _ = forward_tree(model, state, draft, needs_hidden)
+                verify_greedy(draft.tokens, logits, draft.tree)
+                state.cache.crop(-k)  # drop the K tree slots again
 
-        seconds.append(_timed(step, reps, device.type == "cuda"))
+            seconds.append(_timed(step, reps, device.type == "cuda"))
     return CostCurve(tuple(sizes), tuple(seconds))
 
 
@@ -290,7 +292,8 @@ def run_build_tree(args: argparse.Namespace) -> int:
     topk = min(MEDUSA_TOPK, drafter.heads.config.out_size)
     accuracy, scored = measure_accuracy(session, cfg, args.split, args.source, args.greedy_tokens, args.batch_size,
                                         topk)
-    forward = measure_forward_cost(session.engine.model, args.context, sizes, args.reps)
+    forward = measure_forward_cost(session.engine.model, args.context, sizes, args.reps,
+                                   cpu_kernel=session.engine.cpu_kernel)
     head_cost = measure_head_cost(drafter, topk, args.reps, session.engine.device)
     plan = plan_tree(accuracy, forward.monotone(), head_cost, args.max_nodes)
     print(report(accuracy, forward, head_cost, plan))

@@ -1,0 +1,156 @@
+"""A bf16 linear for decode steps on the CPU: the engine's own kernel for the few-row products a decode step is.
+
+PyTorch's CPU bf16 `F.linear` at one to a few input rows streams the weights far below the memory bandwidth
+(measured on a 2-core Sapphire Rapids, SmolLM2-135M in bf16: its 211 matmuls take ~60 ms a token, ~4.5 GB/s,
+against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same products exactly (bf16 x bf16 in fp32,
+fp32 sums, one rounding to bf16): AVX-512 for up to `FMA_ROWS` rows, and where the CPU has AMX, the tile unit for
+2..`AMX_ROWS` rows (a verification tree of up to 16 nodes). Only the summation order differs from stock, so outputs
+agree with stock ones to the last bf16 bit, the same kind of difference a K-row forward already has from a one-row
+forward. More rows (prefill, wide trees) stay on stock PyTorch, whose oneDNN GEMM wins there.
+
+`fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, CPU, contiguous weight, no forward of their own
+set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,
+Hugging Face `generate` and every baseline outside the block stay stock. The kernel is built once per machine and
+torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler; ~1 min) into the draftsmith cache, and only
+where the CPU has AVX-512 (F/BW/VL); anywhere else, or if the build fails (one warning), stock PyTorch runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import warnings
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.buildcache import cache_root
+
+FMA_ROWS = 4  # input rows up to which the AVX-512 path beats stock bf16 linear (measured: 1-4 win, 16 loses)
+AMX_ROWS = 16  # input rows up to which the AMX path runs (one B tile), for inputs whose width is a multiple of 32
+SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
+
+_kernel: Any = None  # the built extension module, once loaded
+_failed = False  # build or load failed once: stock from then on
+_amx = False  # the CPU has AMX and Linux granted the tile state
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU and build can run the kernel (AVX-512 F/BW/VL, as PyTorch's own dispatch sees it)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
+def amx_supported() -> bool:
+    """Whether the CPU reports AMX tiles with bf16 (Linux /proc/cpuinfo; False elsewhere)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return False
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+
+
+def max_rows(width: int) -> int:
+    """Input rows up to which an input of `width` features runs on the kernel (0: no kernel on this machine)."""
+    if load_kernel() is None:
+        return 0
+    return AMX_ROWS if _amx and width % 32 == 0 else FMA_ROWS
+
+
+def _extension_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return f"draftsmith_linear_bf16_{digest}"
+
+
+def load_kernel() -> Any:
+    """The compiled extension, building it on first use; None where it is unsupported or failed to build."""
+    global _kernel, _failed, _amx
+    if _kernel is not None or _failed:
+        return _kernel
+    if not cpu_supported():
+        _failed = True
+        return None
+    from filelock import FileLock  # deferred: only a machine that builds the kernel needs the lock
+    from torch.utils import cpp_extension  # deferred: imports setuptools, ~0.3 s, only when the kernel is needed
+
+    name = _extension_name()
+    build_dir = cache_root() / "kernels" / name
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(build_dir) + ".lock"):
+            if not any(build_dir.glob(f"{name}*.so")):
+                print(f"building the engine's bf16 CPU kernel in {build_dir} (once, ~1 min)", file=sys.stderr,
+                      flush=True)
+            _kernel = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                                         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                         verbose=False)
+        _amx = amx_supported() and bool(_kernel.amx_init())
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back to stock, say so once
+        _failed = True
+        warnings.warn(f"the engine's bf16 CPU kernel is unavailable, stock PyTorch linear runs instead: "
+                      f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
+                      stacklevel=2)
+        return None
+    return _kernel
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           amx: bool | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], all bf16 on the CPU, through the kernel; `amx` (default:
+    where available) lets 2..16 rows run on the tile unit. Any number of rows is computed correctly; `max_rows` says
+    up to how many it is faster than stock."""
+    kernel = load_kernel()
+    if kernel is None:
+        raise RuntimeError("the bf16 CPU kernel is not available on this machine (see cpu_supported())")
+    if amx and not _amx:
+        raise RuntimeError("AMX is not available on this machine (see amx_supported())")
+    return kernel.linear_bf16(x, weight, bias, _amx if amx is None else amx)
+
+
+def eligible(module: nn.Module) -> bool:
+    """A plain bf16 CPU nn.Linear whose forward nobody else replaced (accelerate's offload hooks do)."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and "forward" not in vars(module))
+
+
+def _forward(module: nn.Linear, kernel: Any, rows: int, x: torch.Tensor) -> torch.Tensor:
+    weight = module.weight
+    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and x.dim() >= 1 and 0 < x.numel() <= rows * x.shape[-1]
+            and weight.is_contiguous() and weight.dtype == torch.bfloat16):
+        return kernel.linear_bf16(x, weight, module.bias, _amx)
+    return F.linear(x, weight, module.bias)
+
+
+@contextmanager
+def fast_linears(*modules: nn.Module | None, enabled: bool = True) -> Iterator[int]:
+    """Within the block, eligible linears of `modules` (None entries skipped) run their few-row no-grad calls through
+    the kernel. Yields how many layers were routed (0 where nothing is eligible or the kernel is unavailable; the
+    kernel is only built when some layer is eligible). Restores every layer on exit, also on error."""
+    layers: list[nn.Linear] = []
+    seen: set[int] = set()
+    if enabled:
+        for root in modules:
+            if root is None:
+                continue
+            for module in root.modules():
+                if id(module) not in seen and eligible(module):
+                    seen.add(id(module))
+                    layers.append(module)
+    kernel = load_kernel() if layers else None
+    if kernel is None:
+        yield 0
+        return
+    for layer in layers:
+        layer.forward = partial(_forward, layer, kernel, max_rows(layer.in_features))
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)

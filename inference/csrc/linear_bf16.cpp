@@ -1,0 +1,234 @@
+// y = x @ w^T (+ b) for bf16 x [M, K], w [N, K] (nn.Linear's layout, read as it is), b [N]; M small (decode steps).
+//
+// Why: PyTorch's CPU bf16 linear at one to a few rows streams the weights at a fraction of the memory bandwidth
+// (measured on a 2-core Sapphire Rapids: ~4.5 GB/s in a 30-layer forward against ~16 GB/s read bandwidth), and a
+// decode step is nothing but that. Here each output is a dot product over K: a weight row is widened bf16 -> fp32
+// (exact: a shift), multiplied by the fp32 copy of each input row (exact), and summed in fp32, NB weight rows by MB
+// input rows at a time so that a loaded weight vector serves MB rows and each input vector NB rows. Products are
+// exact; only the fp32 summation order differs from oneDNN's, so results match stock F.linear to bf16 rounding of
+// the same fp32 sums (the output is rounded to nearest even, like a bf16 cast).
+//
+// Where the CPU has AMX (Sapphire Rapids and later), 2..16 rows run on the tile unit instead: C^T = W X^T with W's
+// rows loaded as A tiles straight from nn.Linear's layout (16 rows x 32 k) and X as the B tile in VNNI pairs
+// (repacked per call: X is tiny), fp32 accumulation (TDPBF16PS), the same single rounding to bf16 at the end.
+//
+// Needs AVX-512 F/BW/VL (checked in Python before this is built); AMX also needs the kernel's permission, asked
+// for once by amx_init(). Threads: ATen's parallel_for over weight rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+struct Problem {
+  const float* x;     // [M, K] fp32 copy of the input rows
+  int64_t M, K;
+  const uint16_t* w;  // [N, K] bf16 bits
+  const uint16_t* b;  // [N] bf16 bits, or nullptr
+  uint16_t* y;        // [M, N] bf16 bits
+  int64_t N;
+};
+
+#define DS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+// Outputs y[m .. m+mb, n .. n+nb] (nb <= NB, mb <= MB; missing rows repeat the last one and are not stored).
+template <int NB, int MB>
+DS_AVX512 void block(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
+  __m512 acc[NB][MB];
+  const float* xr[MB];
+  const uint16_t* wr[NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i) {
+    wr[i] = p.w + (n + std::min<int64_t>(i, nb - 1)) * p.K;
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < MB; ++j) xr[j] = p.x + (m + std::min<int64_t>(j, mb - 1)) * p.K;
+  for (int64_t k = 0; k < p.K; k += 16) {
+    const __mmask16 mask = p.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (p.K - k)) - 1);
+    __m512 xv[MB];
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) xv[j] = _mm512_maskz_loadu_ps(mask, xr[j] + k);
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(mask, wr[i] + k);
+      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+#pragma GCC unroll 16
+      for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+    }
+  }
+  float sums[NB][MB];  // reduced with constant indices so that the accumulators stay in registers
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+  for (int64_t i = 0; i < nb; ++i) {
+    const float bias = p.b ? bf16_to_float(p.b[n + i]) : 0.0f;
+    for (int64_t j = 0; j < mb; ++j) p.y[(m + j) * p.N + n + i] = float_to_bf16(sums[i][j] + bias);
+  }
+}
+
+template <int NB, int MB>
+DS_AVX512 void rows(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += NB)
+    for (int64_t m = 0; m < p.M; m += MB) block<NB, MB>(p, n, std::min<int64_t>(NB, n1 - n), m, std::min<int64_t>(MB, p.M - m));
+}
+
+// ---- AMX: 2..16 rows -------------------------------------------------------------------------------------------
+
+#define DS_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+struct alignas(64) TileConfig {  // palette 1 layout (Intel SDM, LDTILECFG)
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_init() {  // Linux: ask for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); false if refused
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+// y[m, n .. n+16] = bf16(c[.., m] + bias[n ..]) for m < M: c is a stored [16 n][16 m] fp32 tile
+DS_AMX void tile_epilogue(const float* c, const uint16_t* b, uint16_t* y, int64_t M, int64_t N, int64_t n) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+  const __m512 bias = b ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + n))), 16))
+                        : _mm512_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + m, 4), bias);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
+// Weight row blocks [blk0, blk1) of 16 rows each. Tiles: 0, 1 accumulators; 2, 3 weight rows; 4 the input.
+DS_AMX void amx_blocks(const Problem& p, const uint16_t* xb, int64_t blk0, int64_t blk1) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[16 * 16];
+  const int64_t stride = p.K * 2;  // bytes between weight rows
+  int64_t blk = blk0;
+  for (; blk + 1 < blk1; blk += 2) {
+    const uint16_t* w0 = p.w + blk * 16 * p.K;
+    const uint16_t* w1 = w0 + 16 * p.K;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < p.K; k += 32) {
+      _tile_loadd(4, xb + k * 16, 64);
+      _tile_loadd(2, w0 + k, stride);
+      _tile_loadd(3, w1 + k, stride);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, c, 64);
+    tile_epilogue(c, p.b, p.y, p.M, p.N, blk * 16);
+    _tile_stored(1, c, 64);
+    tile_epilogue(c, p.b, p.y, p.M, p.N, (blk + 1) * 16);
+  }
+  if (blk < blk1) {
+    const uint16_t* w0 = p.w + blk * 16 * p.K;
+    _tile_zero(0);
+    for (int64_t k = 0; k < p.K; k += 32) {
+      _tile_loadd(4, xb + k * 16, 64);
+      _tile_loadd(2, w0 + k, stride);
+      _tile_dpbf16ps(0, 2, 4);
+    }
+    _tile_stored(0, c, 64);
+    tile_epilogue(c, p.b, p.y, p.M, p.N, blk * 16);
+  }
+  _tile_release();
+}
+
+// ---- entry ------------------------------------------------------------------------------------------------------
+
+bool amx_applies(int64_t M, int64_t K, int64_t N, bool use_amx) {
+  return use_amx && M >= 2 && M <= 16 && K % 32 == 0 && N >= 16;
+}
+
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
+                          bool use_amx) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_bf16: weight must be a contiguous [N, K] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_bf16: input's last dimension must be ", K);
+  torch::Tensor bias;
+  if (b.has_value()) {
+    bias = b->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kBFloat16 && bias.numel() == N, "linear_bf16: bias must be bf16 [N]");
+  }
+  const torch::Tensor x2 = x.reshape({-1, K}).contiguous();  // [M, K]
+  const int64_t M = x2.size(0);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const uint16_t* bp = bias.defined() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  if (M == 0) return y.view(shape);
+
+  int64_t fma_from = 0;  // weight rows [fma_from, N) run on the AVX-512 path
+  torch::Tensor xf;
+  if (amx_applies(M, K, N, use_amx)) {
+    // X as the B tile: xb[k / 2][m][k % 2] = x[m][k], zero for m >= M
+    std::vector<uint16_t> xb(size_t(K) * 16, 0);
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 2) {
+        xb[(k / 2 * 16 + m) * 2] = xp[m * K + k];
+        xb[(k / 2 * 16 + m) * 2 + 1] = xp[m * K + k + 1];
+      }
+    const Problem p{nullptr, M, K, wp, bp, yp, N};
+    at::parallel_for(0, N / 16, 2, [&](int64_t s, int64_t e) { amx_blocks(p, xb.data(), s, e); });
+    fma_from = N / 16 * 16;
+    if (fma_from == N) return y.view(shape);
+  }
+  xf = x2.to(at::kFloat).contiguous();
+  const Problem p{xf.data_ptr<float>(), M, K, wp, bp, yp, N};
+  constexpr int64_t kChunk = 24;  // weight rows per parallel task: a multiple of every NB below
+  at::parallel_for(0, (N - fma_from + kChunk - 1) / kChunk, 4, [&](int64_t s, int64_t e) {
+    const int64_t n0 = fma_from + s * kChunk, n1 = std::min(fma_from + e * kChunk, N);
+    if (M == 1) rows<8, 1>(p, n0, n1);
+    else if (M == 2) rows<8, 2>(p, n0, n1);
+    else if (M == 3) rows<6, 3>(p, n0, n1);
+    else rows<4, 6>(p, n0, n1);
+  });
+  return y.view(shape);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_bf16", &linear_bf16, "y = x @ w^T (+ b), bf16, for a few rows of x; AMX for 2..16 rows if use_amx");
+  m.def("amx_init", &amx_init, "ask Linux for the AMX tile state once per process; false if refused");
+}

@@ -1,0 +1,169 @@
+"""The engine's bf16 CPU linear (inference.cpu_kernels): the same products as F.linear, routed only where it should
+be, restored afterwards, and stock PyTorch wherever it is unsupported or fails to build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference import cpu_kernels
+from inference.api import Engine
+from inference.cpu_kernels import fast_linears, max_rows
+from inference.drafters import NoDrafter
+from inference.generate import DecodeConfig, generate
+from tests.conftest import build_tiny_lm
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="the kernel needs AVX-512 (F/BW/VL)")
+AMX = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not (cpu_kernels.cpu_supported() and cpu_kernels.amx_supported()), reason="no AMX on this CPU"))]
+
+
+class CountingKernel:
+    """The built kernel, recording the input rows of each call."""
+
+    def __init__(self) -> None:
+        self.real = cpu_kernels.load_kernel()
+        self.rows: list[int] = []
+
+    def linear_bf16(self, x, w, b, amx):
+        self.rows.append(x.numel() // x.shape[-1])
+        return self.real.linear_bf16(x, w, b, amx)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The exact fp64 result of the bf16 inputs."""
+    out = x.double() @ w.double().T
+    return out if b is None else out + b.double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", AMX)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17])
+@pytest.mark.parametrize("k,n", [(16, 8), (100, 37), (64, 48), (576, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_is_the_exact_product_rounded_once(amx, rows, k, n, bias):
+    """Every path (AVX-512 at any row count; AMX for 2..16 rows of widths divisible by 32, with the AVX-512 path
+    finishing the N % 16 rows) against the exact product."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(2, rows, k, generator=gen).bfloat16()  # 3-D input: leading dims are flattened and restored
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    out = cpu_kernels.linear(x, w, b, amx=amx)
+    assert out.shape == (2, rows, n) and out.dtype == torch.bfloat16
+    ref = _reference(x, w, b)
+    # fp32 sums of exact products, rounded to bf16 once: within one bf16 unit (2^-8 relative) plus the fp32
+    # summation error, which is tiny next to it at these sizes
+    err = (out.double() - ref).abs()
+    assert bool((err <= ref.abs() * 2.0 ** -8 + 1e-3).all()), float(err.max())
+    stock = F.linear(x, w, b)
+    assert (out.float() - stock.float()).abs().max() <= ref.abs().max() * 2.0 ** -7
+
+
+@needs_kernel
+def test_kernel_keeps_special_values():
+    x = torch.tensor([[1.0, 2.0, 0.0, 0.0]]).bfloat16()
+    w = torch.tensor([[1.0, 1.0, 0.0, 0.0], [float("inf"), 0.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0]]).bfloat16()
+    out = cpu_kernels.linear(x, w)[0].float()
+    assert out[0] == 3.0 and out[1] == float("inf") and torch.isnan(out[2])
+
+
+@needs_kernel
+def test_fast_linears_routes_few_row_no_grad_calls_and_restores(monkeypatch):
+    model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 8)).bfloat16()
+    kernel = CountingKernel()
+    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
+    rows = max_rows(32)  # 16 with AMX, else 4
+    few, many = torch.randn(rows, 32).bfloat16(), torch.randn(rows + 1, 32).bfloat16()
+    with torch.no_grad():
+        stock_few, stock_many = model(few), model(many)
+    with fast_linears(model) as routed:
+        assert routed == 2 and all("forward" in vars(layer) for layer in (model[0], model[2]))
+        with torch.no_grad():
+            fast_few, fast_many = model(few), model(many)
+        with_grad = model(few)  # grad mode: stock, so training through these layers is unaffected
+    assert kernel.rows == [rows, rows]  # only the few-row no-grad calls, both layers
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[2])  # restored
+    torch.testing.assert_close(fast_few.float(), stock_few.float(), rtol=2 ** -6, atol=2 ** -6)
+    assert torch.equal(fast_many, stock_many)  # more rows: stock, bit for bit
+    assert torch.equal(with_grad.detach(), stock_few) and with_grad.requires_grad
+
+
+@needs_kernel
+def test_fast_linears_restores_on_error():
+    layer = nn.Linear(16, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="boom"):
+        with fast_linears(layer):
+            raise RuntimeError("boom")
+    assert "forward" not in vars(layer)
+
+
+def test_fast_linears_leaves_ineligible_layers_alone(monkeypatch):
+    """fp32 weights, a forward someone else set (accelerate's hooks), or enabled=False: nothing routed, nothing
+    built."""
+    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: pytest.fail("no layer is eligible: nothing to build"))
+    hooked = nn.Linear(8, 8).bfloat16()
+    hooked.forward = lambda x: x
+    with fast_linears(nn.Linear(8, 8), hooked, None) as routed:
+        assert routed == 0
+    with fast_linears(nn.Linear(8, 8).bfloat16(), enabled=False) as routed:
+        assert routed == 0
+    assert hooked.forward(torch.ones(1)).item() == 1.0  # its own forward kept
+
+
+def test_unsupported_cpu_or_failed_build_falls_back_to_stock(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "_failed", False)
+    monkeypatch.setattr(cpu_kernels, "cpu_supported", lambda: False)
+    layer = nn.Linear(8, 8).bfloat16()
+    with fast_linears(layer) as routed:
+        assert routed == 0 and "forward" not in vars(layer)
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_kernels.linear(torch.ones(1, 8).bfloat16(), layer.weight)
+
+    # a source that does not compile: one warning, stock from then on
+    monkeypatch.setattr(cpu_kernels, "_failed", False)
+    monkeypatch.setattr(cpu_kernels, "cpu_supported", lambda: True)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
+    with pytest.warns(UserWarning, match="stock PyTorch linear runs instead"):
+        assert cpu_kernels.load_kernel() is None
+    with fast_linears(layer) as routed:
+        assert routed == 0
+
+
+@needs_kernel
+def test_generate_uses_the_kernel_unless_disabled(monkeypatch):
+    """The engine's loop routes the target's decode steps through the kernel by default; cpu_kernel=False (the
+    CLI's --no-cpu-kernel) keeps it stock. Each step's logits agree with stock to bf16 rounding."""
+    model = build_tiny_lm("llama", seed=3).bfloat16()
+    kernel = CountingKernel()
+    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    generate(model, ids, NoDrafter(), DecodeConfig(max_new_tokens=4))
+    # the prefill's layers see 20 rows (stock), its lm_head only the last position; then 3 one-row decode steps
+    # through every linear (2 layers x 7 + lm_head)
+    assert kernel.rows == [1] * (1 + 3 * 15)
+    kernel.rows.clear()
+    generate(model, ids, NoDrafter(), DecodeConfig(max_new_tokens=4, cpu_kernel=False))
+    assert kernel.rows == []
+    assert all("forward" not in vars(m) for m in model.modules())
+    with torch.no_grad():
+        stock = model(ids[:, :1]).logits
+        with fast_linears(model):
+            fast = model(ids[:, :1]).logits
+    torch.testing.assert_close(fast.float(), stock.float(), rtol=0.05, atol=0.05)
+
+
+def test_engine_passes_its_kernel_setting(monkeypatch):
+    seen = []
+    monkeypatch.setattr("inference.api.generate", lambda model, ids, drafter, config, *rest: seen.append(config))
+    model = build_tiny_lm("llama")
+    engine = Engine(model, NoDrafter())
+    engine.generate([5, 6, 7], max_new_tokens=2)
+    engine.cpu_kernel = False
+    engine.generate([5, 6, 7], max_new_tokens=2)
+    assert [c.cpu_kernel for c in seen] == [True, False]
