@@ -106,6 +106,9 @@ def test_methods_share_the_baselines_target_when_it_is_the_same(models):
     assert draft.engine.drafter.model is not base.engine.model  # the draft model is its own
     other = open_session(args("--dtype", "bf16", "--drafter", "prompt_lookup"), share=base)
     assert other.engine.model is not base.engine.model  # another dtype: another copy
+    # --no-cpu-kernel is the engine's own setting: the weights are still shared, the kernels not
+    stock = open_session(args("--dtype", "fp32", "--drafter", "prompt_lookup", "--no-cpu-kernel"), share=base)
+    assert stock.engine.model is base.engine.model and not stock.engine.cpu_kernel and base.engine.cpu_kernel
 
 
 @pytest.mark.parametrize("plan_file", sorted((Path(__file__).resolve().parents[1] / "conf" / "bench").glob("*.yaml")),
