@@ -3,7 +3,8 @@
     python scripts/cpu_report.py
 
 The CPU model and its vector/matrix flags (lscpu, else /proc/cpuinfo), torch's choice of kernels (its ATen CPU
-capability, BLAS/oneDNN build, what it detects), and which of bitsandbytes' two CPU 4-bit paths NF4 layers take.
+capability, BLAS/oneDNN build, what it detects), which of bitsandbytes' two CPU 4-bit paths NF4 layers take, and which
+paths of the engine's own bf16 linear (inference/cpu_kernels.py) this CPU can take (nothing is built here).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inference import cpu_kernels  # noqa: E402
 
 RELEVANT_PREFIXES = ("avx512", "amx")
 RELEVANT_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni")
@@ -62,6 +68,15 @@ def bitsandbytes_line() -> str:
     return f"bitsandbytes {bitsandbytes.__version__}: CPU 4-bit layers take the {path} path"
 
 
+def engine_kernel_line() -> str:
+    if not cpu_kernels.cpu_supported():
+        return "draftsmith bf16 CPU kernel: not on this CPU (needs AVX-512 F/BW/VL): stock PyTorch linears"
+    rows = f"AVX-512 for 1-{cpu_kernels.FMA_ROWS} rows"
+    if cpu_kernels.amx_supported():
+        rows += f", AMX for 2-{cpu_kernels.AMX_ROWS}"
+    return f"draftsmith bf16 CPU kernel: {rows} (built on first use; --no-cpu-kernel for stock)"
+
+
 def report() -> list[str]:
     model, flags = cpu_fields()
     return [
@@ -69,6 +84,7 @@ def report() -> list[str]:
         "cpu flags: " + (" ".join(relevant(flags)) or "none of " + ", ".join(RELEVANT_FLAGS)),
         *torch_lines(),
         bitsandbytes_line(),
+        engine_kernel_line(),
     ]
 
 

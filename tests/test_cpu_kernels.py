@@ -3,6 +3,10 @@ be, restored afterwards, and stock PyTorch wherever it is unsupported or fails t
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +19,7 @@ from inference.drafters import NoDrafter
 from inference.generate import DecodeConfig, generate
 from tests.conftest import build_tiny_lm
 
+ROOT = Path(__file__).resolve().parents[1]
 needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="the kernel needs AVX-512 (F/BW/VL)")
 AMX = [False, pytest.param(True, marks=pytest.mark.skipif(
     not (cpu_kernels.cpu_supported() and cpu_kernels.amx_supported()), reason="no AMX on this CPU"))]
@@ -167,3 +172,18 @@ def test_engine_passes_its_kernel_setting(monkeypatch):
     engine.cpu_kernel = False
     engine.generate([5, 6, 7], max_new_tokens=2)
     assert [c.cpu_kernel for c in seen] == [True, False]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--sizes", "4,2"], "--sizes: increasing node counts"),
+    (["--sizes", "1,x"], "--sizes: comma-separated"),
+    (["--dtype", "fp32"], "--dtype fp32: the kernel is bf16 only"),
+    (["--drafter", "prompt_lookup"], "--drafter: this script times the target alone"),
+    (["--rounds", "0"], "must be >= 1"),
+])
+def test_kernel_benchmark_refuses_bad_flags_before_loading(flags, needle):
+    """scripts/bench_cpu_kernel.py: one line, exit 2, nothing loaded (the base named does not even exist)."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cpu_kernel.py"), "--base",
+                             "no/such-model", *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and needle in result.stderr

@@ -19,7 +19,7 @@ def test_report_names_the_cpu_its_flags_and_torchs_kernels():
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert [line.split(":")[0].split(" ")[0] for line in lines] == ["cpu", "cpu", "torch", "torch", "torch",
-                                                                   "bitsandbytes"], lines
+                                                                   "bitsandbytes", "draftsmith"], lines
     assert f"CPU capability {torch.backends.cpu.get_cpu_capability()} " in lines[2]
     assert "BLAS_INFO=" in lines[3]
     cpuinfo = Path("/proc/cpuinfo")
@@ -29,6 +29,7 @@ def test_report_names_the_cpu_its_flags_and_torchs_kernels():
         assert wanted <= set(lines[1].removeprefix("cpu flags: ").split()), lines[1]
         if "avx2" in flags:
             assert "avx2 yes" in lines[4]
+        assert ("AMX for 2-16" in lines[6]) == ({"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags))
 
 
 def test_ci_reports_the_cpu_then_runs_the_readme_test_line_verbatim():

@@ -1,0 +1,95 @@
+"""The engine's bf16 CPU kernel against stock PyTorch linears, on one target's forward, in one run.
+
+    python scripts/bench_cpu_kernel.py --base smollm2                  # K = 1, 2, 4, 8, 16, 24, 32 tree nodes
+    python scripts/bench_cpu_kernel.py --base smollm2 --sizes 1,16 --rounds 5
+
+Times `build-tree`'s cost curve (inference.tree_builder.measure_forward_cost: a K-node tree forward on a cache of
+--context tokens, plus greedy verification) with stock linears and with the kernel (inference.cpu_kernels),
+alternating the two round by round so that a busy machine slows both alike, and prints per K the median of each and
+their ratio, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy
+bandwidth). Outputs agree with stock to bf16 rounding; tests/test_cpu_kernels.py checks that, this script only times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from data.errors import UsageError  # noqa: E402
+from inference import cpu_kernels  # noqa: E402
+from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
+from inference.session import add_model_args, open_session  # noqa: E402
+from inference.tree_builder import measure_forward_cost  # noqa: E402
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--sizes: comma-separated node counts, got {text!r}") from None
+    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
+        raise UsageError(f"--sizes: increasing node counts >= 1, got {text!r}")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python scripts/bench_cpu_kernel.py", description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    p.add_argument("--sizes", default="1,2,4,8,16,24,32", help="tree node counts K (default: 1,2,4,8,16,24,32)")
+    p.add_argument("--context", type=int, default=256, help="cached tokens before the tree (default 256)")
+    p.add_argument("--reps", type=int, default=5, help="timed forwards per K per round (median; default 5)")
+    p.add_argument("--rounds", type=int, default=3, help="stock/kernel alternations (default 3)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sizes = parse_sizes(args.sizes)
+        if args.context < 1 or args.reps < 1 or args.rounds < 1:
+            raise UsageError("--context, --reps and --rounds must be >= 1")
+        if args.drafter:
+            raise UsageError("--drafter: this script times the target alone (pass --base)")
+        if args.dtype not in (None, "bf16"):
+            raise UsageError(f"--dtype {args.dtype}: the kernel is bf16 only")
+        args.dtype = "bf16"
+        if args.device not in (None, "cpu") or args.device_map or args.quantization != "none":
+            raise UsageError("the kernel is for a plain bf16 target on the CPU (no --device, --device-map or "
+                             "--quantization)")
+        args.device = "cpu"
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if cpu_kernels.load_kernel() is None:
+        print("error: the kernel is not available on this CPU (it needs AVX-512 F/BW/VL; see "
+              "python scripts/cpu_report.py)", file=sys.stderr)
+        return 2
+    session = open_session(args)
+    model = session.engine.model
+    print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {'yes' if cpu_kernels.amx_supported() else 'no'}, "
+          f"{torch.get_num_threads()} threads; {args.context} cached tokens; sizes {sizes}", flush=True)
+    times: dict[bool, dict[int, list[float]]] = {False: {k: [] for k in sizes}, True: {k: [] for k in sizes}}
+    for round_ in range(args.rounds):
+        for kernel in (False, True):
+            curve = measure_forward_cost(model, args.context, sizes, args.reps, seed=round_, cpu_kernel=kernel)
+            for k, seconds in zip(curve.sizes, curve.seconds):
+                times[kernel][k].append(seconds)
+            print(f"round {round_ + 1}/{args.rounds} {'kernel' if kernel else 'stock '}: "
+                  + " ".join(f"K={k} {s * 1e3:.1f}" for k, s in zip(curve.sizes, curve.seconds)) + " ms", flush=True)
+    floor_ms = weight_bytes(model) / copy_bandwidth("cpu") * 1e3
+    print("\n| K | stock ms | kernel ms | stock / kernel |\n| ---: | ---: | ---: | ---: |")
+    for k in sizes:
+        stock, fast = statistics.median(times[False][k]), statistics.median(times[True][k])
+        print(f"| {k} | {stock * 1e3:.1f} | {fast * 1e3:.1f} | {stock / fast:.2f} |")
+    print(f"\nbandwidth floor of a step: {floor_ms:.1f} ms ({weight_bytes(model) / 1e6:.0f} MB of weights)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
