@@ -3,8 +3,8 @@
 PyTorch's CPU bf16 `F.linear` at one to a few input rows streams the weights far below the memory bandwidth
 (measured on a 2-core Sapphire Rapids, SmolLM2-135M in bf16: its 211 matmuls take ~60 ms a token, ~4.5 GB/s,
 against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same products exactly (bf16 x bf16 in fp32,
-fp32 sums, one rounding to bf16): AVX-512 for up to `FMA_ROWS` rows, and where the CPU has AMX, the tile unit for
-2..`AMX_ROWS` rows (a verification tree of up to 16 nodes). Only the summation order differs from stock, so outputs
+fp32 sums, one rounding to bf16): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
+the tile unit for 2..`AMX_ROWS` rows (a verification tree of up to 16 nodes). Only the summation order differs from stock, so outputs
 agree with stock ones to the last bf16 bit, the same kind of difference a K-row forward already has from a one-row
 forward. More rows (prefill, wide trees) stay on stock PyTorch, whose oneDNN GEMM wins there.
 
@@ -12,7 +12,7 @@ forward. More rows (prefill, wide trees) stay on stock PyTorch, whose oneDNN GEM
 set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,
 Hugging Face `generate` and every baseline outside the block stay stock. The kernel is built once per machine and
 torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler; ~1 min) into the draftsmith cache, and only
-where the CPU has AVX-512 (F/BW/VL); anywhere else, or if the build fails (one warning), stock PyTorch runs.
+on x86 CPUs with AVX2 + FMA or AVX-512; anywhere else, or if the build fails (one warning), stock PyTorch runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 
 from models.buildcache import cache_root
 
-FMA_ROWS = 4  # input rows up to which the AVX-512 path beats stock bf16 linear (measured: 1-4 win, 16 loses)
+FMA_ROWS = 4  # input rows up to which the AVX-512/AVX2 paths beat stock bf16 linear (measured: 1-4 win, 16 loses)
 AMX_ROWS = 16  # input rows up to which the AMX path runs (one B tile), for inputs whose width is a multiple of 32
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
 
@@ -41,7 +41,13 @@ _amx = False  # the CPU has AMX and Linux granted the tile state
 
 
 def cpu_supported() -> bool:
-    """Whether this CPU and build can run the kernel (AVX-512 F/BW/VL, as PyTorch's own dispatch sees it)."""
+    """Whether this CPU and build can run the kernel: x86 with AVX2 + FMA at least, as PyTorch's own dispatch sees
+    it (AVX2 or AVX512)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
+
+
+def avx512_supported() -> bool:
+    """Whether the AVX-512 path runs here (F/BW/VL); else the AVX2 path does."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
 
 
@@ -99,16 +105,17 @@ def load_kernel() -> Any:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           amx: bool | None = None) -> torch.Tensor:
+           amx: bool | None = None, avx512: bool = True) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], all bf16 on the CPU, through the kernel; `amx` (default:
-    where available) lets 2..16 rows run on the tile unit. Any number of rows is computed correctly; `max_rows` says
-    up to how many it is faster than stock."""
+    where available) lets 2..16 rows run on the tile unit; `avx512=False` takes the AVX2 path even where AVX-512
+    exists (for tests). Any number of rows is computed correctly; `max_rows` says up to how many it is faster than
+    stock."""
     kernel = load_kernel()
     if kernel is None:
         raise RuntimeError("the bf16 CPU kernel is not available on this machine (see cpu_supported())")
     if amx and not _amx:
         raise RuntimeError("AMX is not available on this machine (see amx_supported())")
-    return kernel.linear_bf16(x, weight, bias, _amx if amx is None else amx)
+    return kernel.linear_bf16(x, weight, bias, _amx if amx is None else amx, avx512)
 
 
 def eligible(module: nn.Module) -> bool:
@@ -124,7 +131,7 @@ def _forward(module: nn.Linear, kernel: Any, rows: int, x: torch.Tensor) -> torc
     if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
             and x.dim() >= 1 and 0 < x.numel() <= rows * x.shape[-1]
             and weight.is_contiguous() and weight.dtype == torch.bfloat16):
-        return kernel.linear_bf16(x, weight, module.bias, _amx)
+        return kernel.linear_bf16(x, weight, module.bias, _amx, True)
     return F.linear(x, weight, module.bias)
 
 

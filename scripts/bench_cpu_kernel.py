@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if cpu_kernels.load_kernel() is None:
-        print("error: the kernel is not available on this CPU (it needs AVX-512 F/BW/VL; see "
+        print("error: the kernel is not available here (it needs an x86 CPU with AVX2 + FMA and a C++ compiler; see "
               "python scripts/cpu_report.py)", file=sys.stderr)
         return 2
     session = open_session(args)

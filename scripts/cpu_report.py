@@ -70,8 +70,9 @@ def bitsandbytes_line() -> str:
 
 def engine_kernel_line() -> str:
     if not cpu_kernels.cpu_supported():
-        return "draftsmith bf16 CPU kernel: not on this CPU (needs AVX-512 F/BW/VL): stock PyTorch linears"
-    rows = f"AVX-512 for 1-{cpu_kernels.FMA_ROWS} rows"
+        return "draftsmith bf16 CPU kernel: not on this CPU (needs AVX2 + FMA): stock PyTorch linears"
+    isa = "AVX-512" if cpu_kernels.avx512_supported() else "AVX2"
+    rows = f"{isa} for 1-{cpu_kernels.FMA_ROWS} rows"
     if cpu_kernels.amx_supported():
         rows += f", AMX for 2-{cpu_kernels.AMX_ROWS}"
     return f"draftsmith bf16 CPU kernel: {rows} (built on first use; --no-cpu-kernel for stock)"

@@ -20,7 +20,9 @@ from inference.generate import DecodeConfig, generate
 from tests.conftest import build_tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="the kernel needs AVX-512 (F/BW/VL)")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="the kernel needs x86 AVX2 + FMA")
+ISA = [pytest.param(True, id="avx512", marks=pytest.mark.skipif(
+    not cpu_kernels.avx512_supported(), reason="no AVX-512 on this CPU")), pytest.param(False, id="avx2")]
 AMX = [False, pytest.param(True, marks=pytest.mark.skipif(
     not (cpu_kernels.cpu_supported() and cpu_kernels.amx_supported()), reason="no AMX on this CPU"))]
 
@@ -32,9 +34,9 @@ class CountingKernel:
         self.real = cpu_kernels.load_kernel()
         self.rows: list[int] = []
 
-    def linear_bf16(self, x, w, b, amx):
+    def linear_bf16(self, x, w, b, amx, avx512):
         self.rows.append(x.numel() // x.shape[-1])
-        return self.real.linear_bf16(x, w, b, amx)
+        return self.real.linear_bf16(x, w, b, amx, avx512)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -44,18 +46,19 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 @needs_kernel
+@pytest.mark.parametrize("avx512", ISA)
 @pytest.mark.parametrize("amx", AMX)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17])
 @pytest.mark.parametrize("k,n", [(16, 8), (100, 37), (64, 48), (576, 200)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_is_the_exact_product_rounded_once(amx, rows, k, n, bias):
-    """Every path (AVX-512 at any row count; AMX for 2..16 rows of widths divisible by 32, with the AVX-512 path
-    finishing the N % 16 rows) against the exact product."""
+def test_kernel_is_the_exact_product_rounded_once(avx512, amx, rows, k, n, bias):
+    """Every path (AVX-512 or AVX2 at any row count; AMX for 2..16 rows of widths divisible by 32, with the vector
+    path finishing the N % 16 rows) against the exact product."""
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(2, rows, k, generator=gen).bfloat16()  # 3-D input: leading dims are flattened and restored
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    out = cpu_kernels.linear(x, w, b, amx=amx)
+    out = cpu_kernels.linear(x, w, b, amx=amx, avx512=avx512)
     assert out.shape == (2, rows, n) and out.dtype == torch.bfloat16
     ref = _reference(x, w, b)
     # fp32 sums of exact products, rounded to bf16 once: within one bf16 unit (2^-8 relative) plus the fp32

@@ -12,8 +12,10 @@
 // rows loaded as A tiles straight from nn.Linear's layout (16 rows x 32 k) and X as the B tile in VNNI pairs
 // (repacked per call: X is tiny), fp32 accumulation (TDPBF16PS), the same single rounding to bf16 at the end.
 //
-// Needs AVX-512 F/BW/VL (checked in Python before this is built); AMX also needs the kernel's permission, asked
-// for once by amx_init(). Threads: ATen's parallel_for over weight rows.
+// CPUs without AVX-512 take the same blocks on AVX2 + FMA (8 lanes), which Python checks before building this. Each
+// path is compiled for its own instruction set (function target attributes) and chosen at run time, so one build
+// serves the machine it was built on. AMX also needs the kernel's permission, asked for once by amx_init().
+// Threads: ATen's parallel_for over weight rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -51,30 +53,50 @@ struct Problem {
   int64_t N;
 };
 
+// The rows one register block reads and the outputs it writes: y[m .. m+mb, n .. n+nb] (nb <= NB, mb <= MB; missing
+// rows repeat the last one and are not stored).
+template <int NB, int MB>
+struct Block {
+  const float* x[MB];
+  const uint16_t* w[NB];
+  int64_t n, nb, m, mb;
+
+  Block(const Problem& p, int64_t n_, int64_t nb_, int64_t m_, int64_t mb_) : n(n_), nb(nb_), m(m_), mb(mb_) {
+    for (int i = 0; i < NB; ++i) w[i] = p.w + (n + std::min<int64_t>(i, nb - 1)) * p.K;
+    for (int j = 0; j < MB; ++j) x[j] = p.x + (m + std::min<int64_t>(j, mb - 1)) * p.K;
+  }
+
+  // sums cover k < k_done; a tail the vector loop left (k_done <= k < K) is summed here, then bias, then bf16
+  void store(const Problem& p, const float (&sums)[NB][MB], int64_t k_done) const {
+    for (int64_t i = 0; i < nb; ++i) {
+      const float bias = p.b ? bf16_to_float(p.b[n + i]) : 0.0f;
+      for (int64_t j = 0; j < mb; ++j) {
+        float s = sums[i][j];
+        for (int64_t k = k_done; k < p.K; ++k) s += bf16_to_float(w[i][k]) * x[j][k];
+        p.y[(m + j) * p.N + n + i] = float_to_bf16(s + bias);
+      }
+    }
+  }
+};
+
 #define DS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-// Outputs y[m .. m+mb, n .. n+nb] (nb <= NB, mb <= MB; missing rows repeat the last one and are not stored).
 template <int NB, int MB>
-DS_AVX512 void block(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
+DS_AVX512 void block_avx512(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
+  const Block<NB, MB> blk(p, n, nb, m, mb);
   __m512 acc[NB][MB];
-  const float* xr[MB];
-  const uint16_t* wr[NB];
 #pragma GCC unroll 16
-  for (int i = 0; i < NB; ++i) {
-    wr[i] = p.w + (n + std::min<int64_t>(i, nb - 1)) * p.K;
+  for (int i = 0; i < NB; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
-#pragma GCC unroll 16
-  for (int j = 0; j < MB; ++j) xr[j] = p.x + (m + std::min<int64_t>(j, mb - 1)) * p.K;
-  for (int64_t k = 0; k < p.K; k += 16) {
+  for (int64_t k = 0; k < p.K; k += 16) {  // masked loads cover the tail: nothing left for store()
     const __mmask16 mask = p.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (p.K - k)) - 1);
     __m512 xv[MB];
 #pragma GCC unroll 16
-    for (int j = 0; j < MB; ++j) xv[j] = _mm512_maskz_loadu_ps(mask, xr[j] + k);
+    for (int j = 0; j < MB; ++j) xv[j] = _mm512_maskz_loadu_ps(mask, blk.x[j] + k);
 #pragma GCC unroll 16
     for (int i = 0; i < NB; ++i) {
-      const __m256i raw = _mm256_maskz_loadu_epi16(mask, wr[i] + k);
+      const __m256i raw = _mm256_maskz_loadu_epi16(mask, blk.w[i] + k);
       const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 #pragma GCC unroll 16
       for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
@@ -85,16 +107,53 @@ DS_AVX512 void block(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t
   for (int i = 0; i < NB; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < MB; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-  for (int64_t i = 0; i < nb; ++i) {
-    const float bias = p.b ? bf16_to_float(p.b[n + i]) : 0.0f;
-    for (int64_t j = 0; j < mb; ++j) p.y[(m + j) * p.N + n + i] = float_to_bf16(sums[i][j] + bias);
-  }
+  blk.store(p, sums, p.K);
+}
+
+// ---- AVX2 + FMA (CPUs without AVX-512): the same blocks in 8 lanes; store() sums the K % 8 tail ---------------------
+
+#define DS_AVX2 __attribute__((target("avx2,fma")))
+
+DS_AVX2 inline float hsum256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
 template <int NB, int MB>
-DS_AVX512 void rows(const Problem& p, int64_t n0, int64_t n1) {
+DS_AVX2 void block_avx2(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
+  const Block<NB, MB> blk(p, n, nb, m, mb);
+  __m256 acc[NB][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t k_done = p.K / 8 * 8;
+  for (int64_t k = 0; k < k_done; k += 8) {
+    __m256 xv[MB];
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(blk.x[j] + k);
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.w[i] + k));
+      const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+#pragma GCC unroll 16
+      for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+    }
+  }
+  float sums[NB][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) sums[i][j] = hsum256(acc[i][j]);
+  blk.store(p, sums, k_done);
+}
+
+// Weight rows [n0, n1) in blocks of NB, input rows in blocks of MB, through one ISA's block kernel.
+template <int NB, int MB, void (*kernel)(const Problem&, int64_t, int64_t, int64_t, int64_t)>
+void rows(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += NB)
-    for (int64_t m = 0; m < p.M; m += MB) block<NB, MB>(p, n, std::min<int64_t>(NB, n1 - n), m, std::min<int64_t>(MB, p.M - m));
+    for (int64_t m = 0; m < p.M; m += MB) kernel(p, n, std::min<int64_t>(NB, n1 - n), m, std::min<int64_t>(MB, p.M - m));
 }
 
 // ---- AMX: 2..16 rows -------------------------------------------------------------------------------------------
@@ -175,8 +234,15 @@ bool amx_applies(int64_t M, int64_t K, int64_t N, bool use_amx) {
   return use_amx && M >= 2 && M <= 16 && K % 32 == 0 && N >= 16;
 }
 
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
-                          bool use_amx) {
+                          bool use_amx, bool use_avx512) {
+  static const bool cpu_avx512 = has_avx512();
+  const bool avx512 = use_avx512 && cpu_avx512;
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_bf16: weight must be a contiguous [N, K] matrix");
@@ -218,10 +284,13 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
   constexpr int64_t kChunk = 24;  // weight rows per parallel task: a multiple of every NB below
   at::parallel_for(0, (N - fma_from + kChunk - 1) / kChunk, 4, [&](int64_t s, int64_t e) {
     const int64_t n0 = fma_from + s * kChunk, n1 = std::min(fma_from + e * kChunk, N);
-    if (M == 1) rows<8, 1>(p, n0, n1);
-    else if (M == 2) rows<8, 2>(p, n0, n1);
-    else if (M == 3) rows<6, 3>(p, n0, n1);
-    else rows<4, 6>(p, n0, n1);
+    if (!avx512) {  // 16 ymm registers: NB x MB accumulators + MB inputs + 1 weight vector
+      if (M == 1) rows<8, 1, block_avx2<8, 1>>(p, n0, n1);
+      else rows<4, 3, block_avx2<4, 3>>(p, n0, n1);
+    } else if (M == 1) rows<8, 1, block_avx512<8, 1>>(p, n0, n1);  // 32 zmm registers
+    else if (M == 2) rows<8, 2, block_avx512<8, 2>>(p, n0, n1);
+    else if (M == 3) rows<6, 3, block_avx512<6, 3>>(p, n0, n1);
+    else rows<4, 6, block_avx512<4, 6>>(p, n0, n1);
   });
   return y.view(shape);
 }
@@ -229,6 +298,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "y = x @ w^T (+ b), bf16, for a few rows of x; AMX for 2..16 rows if use_amx");
+  m.def("linear_bf16", &linear_bf16,
+        "y = x @ w^T (+ b), bf16, for a few rows of x; AMX for 2..16 rows if use_amx; AVX2 unless use_avx512");
   m.def("amx_init", &amx_init, "ask Linux for the AMX tile state once per process; false if refused");
 }
