@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--no-cpu-kernel", action="store_true",
+                   help="our engine on stock PyTorch linears (default: its bf16 CPU kernel; inference.cpu_kernels)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method before timing")
     p.add_argument("--venv-dir", default=str(Path.home() / ".cache" / "draftsmith" / "peers"))
@@ -245,7 +247,9 @@ def our_versions() -> dict[str, str]:
             "draftsmith": version("draftsmith")}
 
 
-def engine_turn(engine: Any) -> Callable[[list[int], int], Turn]:
+def engine_turn(engine: Any, cpu_kernel: bool) -> Callable[[list[int], int], Turn]:
+    engine.cpu_kernel = cpu_kernel
+
     def run(prompt: list[int], max_new: int) -> Turn:
         start = time.perf_counter()
         out = engine.generate(prompt, max_new_tokens=max_new, temperature=0.0)
@@ -281,24 +285,26 @@ def build_ours(args: argparse.Namespace, peers: list[str], choices: list[int] | 
     session = Session(engine, tokenizer, settings["chat_template"], args.base, "none", None)
     eos, pad = eos_token_ids(model), tokenizer.pad_token_id
     greedy = Sampling(0.0, 0, 1.0, "greedy")
-    runners: dict[str, Callable] = {"ar": engine_turn(Engine(model, NoDrafter())), "hf": hf_turn(HFRunner(model, eos, pad, greedy))}
+    kernel = not args.no_cpu_kernel  # ours only: the HF runners call the model's own generate, stock
+    runners: dict[str, Callable] = {"ar": engine_turn(Engine(model, NoDrafter()), kernel),
+                                    "hf": hf_turn(HFRunner(model, eos, pad, greedy))}
     if "medusa" in peers:
         ours = attach(resolve(args.heads, args.base), model, LoadOptions(tree=cartesian_paths(choices)))
         drafter = ours.drafter
-        runners["ours_medusa"] = engine_turn(ours)
+        runners["ours_medusa"] = engine_turn(ours, kernel)
         record["config"]["tree_nodes"] = drafter.tree.num_nodes if hasattr(drafter, "tree") else None
     if "hf_assisted" in peers:
         ours = attach(resolve(args.draft, args.base), model, LoadOptions(draft_stop=args.draft_stop))
         drafter = ours.drafter
         runners["hf_assisted"] = hf_turn(HFRunner(model, eos, pad, greedy, {"assistant_model": drafter.model}))
-        runners["ours_draft"] = engine_turn(ours)
+        runners["ours_draft"] = engine_turn(ours, kernel)
         record["config"]["hf_assisted"] = {"draft": args.draft, **assisted_settings(drafter.model)}
     if "hf_pld" in peers:
         pld = build_from_spec("prompt_lookup", model)
         tokens, ngram = pld_defaults(pld if isinstance(pld, PromptLookupDrafter) else None)
         runners["hf_pld"] = hf_turn(HFRunner(model, eos, pad, greedy, {"prompt_lookup_num_tokens": tokens,
                                                                        "max_matching_ngram_size": ngram}))
-        runners["ours_pld"] = engine_turn(Engine(model, pld))
+        runners["ours_pld"] = engine_turn(Engine(model, pld), kernel)
         record["config"]["prompt_lookup"] = {"num_draft": tokens, "max_ngram": ngram}
     return runners, session
 
@@ -316,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {"base": args.base, "prompts": args.prompts, "num_prompts": len(questions),
                    "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": args.threads,
                    "heads": args.heads, "medusa_choices": choices, "draft": args.draft, "draft_stop": args.draft_stop,
-                   "peers": peers},
+                   "peers": peers, "cpu_kernel": not args.no_cpu_kernel},
         "versions": {"ours": our_versions()}, "patches": {}, "unavailable": {}, "methods": {},
     }
     if "eagle" in peers:
