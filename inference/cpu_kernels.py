@@ -4,9 +4,9 @@ PyTorch's CPU bf16 `F.linear` at one to a few input rows streams the weights far
 (measured on a 2-core Sapphire Rapids, SmolLM2-135M in bf16: its 211 matmuls take ~60 ms a token, ~4.5 GB/s,
 against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same products exactly (bf16 x bf16 in fp32,
 fp32 sums, one rounding to bf16): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
-the tile unit for 2..`AMX_ROWS` rows (a verification tree of up to 16 nodes). Only the summation order differs from stock, so outputs
-agree with stock ones to the last bf16 bit, the same kind of difference a K-row forward already has from a one-row
-forward. More rows (prefill, wide trees) stay on stock PyTorch, whose oneDNN GEMM wins there.
+the tile unit for 2..`AMX_ROWS` rows (a verification tree of up to 16 nodes). Only the summation order differs from
+stock, so outputs agree with stock ones to the last bf16 bit, the same kind of difference a K-row forward already
+has from a one-row forward. More rows (prefill, wide trees) stay on stock PyTorch, whose oneDNN GEMM wins there.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, CPU, contiguous weight, no forward of their own
 set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,
@@ -119,10 +119,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def eligible(module: nn.Module) -> bool:
-    """A plain bf16 CPU nn.Linear whose forward nobody else replaced (accelerate's offload hooks do)."""
-    weight = getattr(module, "weight", None)
+    """A plain bf16 CPU nn.Linear (bias bf16 or none) whose forward nobody else replaced (accelerate's offload hooks
+    do)."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     return (isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.device.type == "cpu"))
             and "forward" not in vars(module))
 
 

@@ -8,7 +8,9 @@ the target's own next token, so it always makes progress; with `NoDrafter` it is
 Lossless: with acceptance="exact" the output equals (greedy) or is distributed as (sampling) decoding the target
 alone with the same `SamplingParams`. acceptance="typical" is lossy. "Equals" is up to floating point: a K-node
 forward may round differently from a one-token forward, which can flip a near-tied argmax (rare in fp32, less rare
-in bf16), exactly as batching does in plain decoding.
+in bf16), exactly as batching does in plain decoding. On the CPU, the loop runs a bf16 model's few-row linears through
+the engine's own kernel (inference.cpu_kernels; `DecodeConfig.cpu_kernel=False` keeps stock PyTorch), which rounds
+like stock up to summation order: the same kind of difference.
 
 Devices (a target split by `device_map`, see inference.devices): the loop's state, the drafts and the masks live on
 the input embeddings' device; the cache layers stay on their own layers' devices; logits are turned into tokens

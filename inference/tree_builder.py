@@ -189,7 +189,8 @@ def _timed(fn: Any, reps: int, cuda: bool) -> float:
 def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[int], reps: int,
                          needs_hidden: bool = True, seed: int = 0, cpu_kernel: bool = True) -> CostCurve:
     """t(K): the engine's tree forward of K nodes (a star tree: attention cost barely depends on the shape) on a
-    cache of `context` random tokens, plus greedy verification of its logits."""
+    cache of `context` random tokens, plus greedy verification of its logits; with the engine's CPU kernel unless
+    `cpu_kernel` is False, as `generate` serves it."""
     device = input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)

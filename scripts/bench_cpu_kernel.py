@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     session = open_session(args)
     model = session.engine.model
-    print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {'yes' if cpu_kernels.amx_supported() else 'no'}, "
+    amx = "yes" if cpu_kernels.amx_supported() else "no"
+    print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {amx}, "
           f"{torch.get_num_threads()} threads; {args.context} cached tokens; sizes {sizes}", flush=True)
     times: dict[bool, dict[int, list[float]]] = {False: {k: [] for k in sizes}, True: {k: [] for k in sizes}}
     for round_ in range(args.rounds):

@@ -113,7 +113,9 @@ def test_fast_linears_leaves_ineligible_layers_alone(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: pytest.fail("no layer is eligible: nothing to build"))
     hooked = nn.Linear(8, 8).bfloat16()
     hooked.forward = lambda x: x
-    with fast_linears(nn.Linear(8, 8), hooked, None) as routed:
+    mixed = nn.Linear(8, 8).bfloat16()
+    mixed.bias = nn.Parameter(mixed.bias.float())  # an fp32 bias next to a bf16 weight: stock handles the promotion
+    with fast_linears(nn.Linear(8, 8), hooked, mixed, None) as routed:
         assert routed == 0
     with fast_linears(nn.Linear(8, 8).bfloat16(), enabled=False) as routed:
         assert routed == 0

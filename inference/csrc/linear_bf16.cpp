@@ -153,7 +153,8 @@ DS_AVX2 void block_avx2(const Problem& p, int64_t n, int64_t nb, int64_t m, int6
 template <int NB, int MB, void (*kernel)(const Problem&, int64_t, int64_t, int64_t, int64_t)>
 void rows(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n += NB)
-    for (int64_t m = 0; m < p.M; m += MB) kernel(p, n, std::min<int64_t>(NB, n1 - n), m, std::min<int64_t>(MB, p.M - m));
+    for (int64_t m = 0; m < p.M; m += MB)
+      kernel(p, n, std::min<int64_t>(NB, n1 - n), m, std::min<int64_t>(MB, p.M - m));
 }
 
 // ---- AMX: 2..16 rows -------------------------------------------------------------------------------------------
