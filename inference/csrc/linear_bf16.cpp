@@ -186,7 +186,33 @@ DS_AMX void tile_epilogue(const float* c, const uint16_t* b, uint16_t* y, int64_
   }
 }
 
-// Weight row blocks [blk0, blk1) of 16 rows each. Tiles: 0, 1 accumulators; 2, 3 weight rows; 4 the input.
+// One or two blocks of 16 weight rows from `blk` (tiles 0, 1 accumulators; 2, 3 weight rows; 4 the input), each
+// stored through `c` and its epilogue. Tile numbers are immediates, hence the compile-time count.
+template <int Blocks>
+DS_AMX void amx_run(const Problem& p, const uint16_t* xb, int64_t blk, float* c) {
+  const int64_t stride = p.K * 2;  // bytes between weight rows
+  const uint16_t* w0 = p.w + blk * 16 * p.K;
+  const uint16_t* w1 = w0 + 16 * p.K;
+  _tile_zero(0);
+  if constexpr (Blocks == 2) _tile_zero(1);
+  for (int64_t k = 0; k < p.K; k += 32) {
+    _tile_loadd(4, xb + k * 16, 64);
+    _tile_loadd(2, w0 + k, stride);
+    _tile_dpbf16ps(0, 2, 4);
+    if constexpr (Blocks == 2) {
+      _tile_loadd(3, w1 + k, stride);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+  }
+  _tile_stored(0, c, 64);
+  tile_epilogue(c, p.b, p.y, p.M, p.N, blk * 16);
+  if constexpr (Blocks == 2) {
+    _tile_stored(1, c, 64);
+    tile_epilogue(c, p.b, p.y, p.M, p.N, (blk + 1) * 16);
+  }
+}
+
+// Weight row blocks [blk0, blk1) of 16 rows each, two at a time.
 DS_AMX void amx_blocks(const Problem& p, const uint16_t* xb, int64_t blk0, int64_t blk1) {
   TileConfig cfg{};
   cfg.palette_id = 1;
@@ -196,36 +222,9 @@ DS_AMX void amx_blocks(const Problem& p, const uint16_t* xb, int64_t blk0, int64
   }
   _tile_loadconfig(&cfg);
   alignas(64) float c[16 * 16];
-  const int64_t stride = p.K * 2;  // bytes between weight rows
   int64_t blk = blk0;
-  for (; blk + 1 < blk1; blk += 2) {
-    const uint16_t* w0 = p.w + blk * 16 * p.K;
-    const uint16_t* w1 = w0 + 16 * p.K;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t k = 0; k < p.K; k += 32) {
-      _tile_loadd(4, xb + k * 16, 64);
-      _tile_loadd(2, w0 + k, stride);
-      _tile_loadd(3, w1 + k, stride);
-      _tile_dpbf16ps(0, 2, 4);
-      _tile_dpbf16ps(1, 3, 4);
-    }
-    _tile_stored(0, c, 64);
-    tile_epilogue(c, p.b, p.y, p.M, p.N, blk * 16);
-    _tile_stored(1, c, 64);
-    tile_epilogue(c, p.b, p.y, p.M, p.N, (blk + 1) * 16);
-  }
-  if (blk < blk1) {
-    const uint16_t* w0 = p.w + blk * 16 * p.K;
-    _tile_zero(0);
-    for (int64_t k = 0; k < p.K; k += 32) {
-      _tile_loadd(4, xb + k * 16, 64);
-      _tile_loadd(2, w0 + k, stride);
-      _tile_dpbf16ps(0, 2, 4);
-    }
-    _tile_stored(0, c, 64);
-    tile_epilogue(c, p.b, p.y, p.M, p.N, blk * 16);
-  }
+  for (; blk + 1 < blk1; blk += 2) amx_run<2>(p, xb, blk, c);
+  if (blk < blk1) amx_run<1>(p, xb, blk, c);
   _tile_release();
 }
 
@@ -264,8 +263,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
   shape.back() = N;
   if (M == 0) return y.view(shape);
 
-  int64_t fma_from = 0;  // weight rows [fma_from, N) run on the AVX-512 path
-  torch::Tensor xf;
+  int64_t fma_from = 0;  // weight rows [fma_from, N) run on the vector path (AVX-512 or AVX2)
   if (amx_applies(M, K, N, use_amx)) {
     // X as the B tile: xb[k / 2][m][k % 2] = x[m][k], zero for m >= M
     std::vector<uint16_t> xb(size_t(K) * 16, 0);
@@ -280,7 +278,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
     fma_from = N / 16 * 16;
     if (fma_from == N) return y.view(shape);
   }
-  xf = x2.to(at::kFloat).contiguous();
+  const torch::Tensor xf = x2.to(at::kFloat).contiguous();
   const Problem p{xf.data_ptr<float>(), M, K, wp, bp, yp, N};
   constexpr int64_t kChunk = 24;  // weight rows per parallel task: a multiple of every NB below
   at::parallel_for(0, (N - fma_from + kChunk - 1) / kChunk, 4, [&](int64_t s, int64_t e) {
