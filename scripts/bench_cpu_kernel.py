@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from data.errors import UsageError  # noqa: E402
 from inference import cpu_kernels  # noqa: E402
 from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
-from inference.session import add_model_args, open_session  # noqa: E402
+from inference.session import add_model_args, check_model_args, open_session  # noqa: E402
 from inference.tree_builder import measure_forward_cost  # noqa: E402
 
 
@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("the kernel is for a plain bf16 target on the CPU (no --device, --device-map or "
                              "--quantization)")
         args.device = "cpu"
+        check_model_args(args)  # everything checkable before the kernel builds or a model loads
+        if cpu_kernels.load_kernel() is None:
+            raise UsageError("the kernel is not available here (it needs an x86 CPU with AVX2 + FMA and a C++ "
+                             "compiler; see python scripts/cpu_report.py)")
+        session = open_session(args)  # a base that does not load: ModelLoadError, one line
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if cpu_kernels.load_kernel() is None:
-        print("error: the kernel is not available here (it needs an x86 CPU with AVX2 + FMA and a C++ compiler; see "
-              "python scripts/cpu_report.py)", file=sys.stderr)
-        return 2
-    session = open_session(args)
     model = session.engine.model
     amx = "yes" if cpu_kernels.amx_supported() else "no"
     print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {amx}, "

@@ -185,9 +185,12 @@ def test_engine_passes_its_kernel_setting(monkeypatch):
     (["--dtype", "fp32"], "--dtype fp32: the kernel is bf16 only"),
     (["--drafter", "prompt_lookup"], "--drafter: this script times the target alone"),
     (["--rounds", "0"], "must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    ([], "cannot load model 'no/such-model'"),
 ])
 def test_kernel_benchmark_refuses_bad_flags_before_loading(flags, needle):
-    """scripts/bench_cpu_kernel.py: one line, exit 2, nothing loaded (the base named does not even exist)."""
+    """scripts/bench_cpu_kernel.py: one line, exit 2 (the base named does not exist: flags are refused before it
+    is looked at, and then it is refused itself in one line, not a traceback)."""
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cpu_kernel.py"), "--base",
                              "no/such-model", *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
