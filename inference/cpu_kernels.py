@@ -32,7 +32,7 @@ from torch import nn
 from models.buildcache import cache_root
 
 FMA_ROWS = 4  # input rows up to which the AVX-512/AVX2 paths beat stock bf16 linear (measured: 1-4 win, 16 loses)
-AMX_ROWS = 16  # input rows up to which the AMX path runs (one B tile), for inputs whose width is a multiple of 32
+AMX_ROWS = 32  # input rows up to which the AMX path runs (two B tiles), for inputs whose width is a multiple of 32
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
 
 _kernel: Any = None  # the built extension module, once loaded
@@ -129,12 +129,10 @@ def eligible(module: nn.Module) -> bool:
 
 
 def _forward(module: nn.Linear, kernel: Any, rows: int, x: torch.Tensor) -> torch.Tensor:
-    weight = module.weight
-    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and x.dim() >= 1 and 0 < x.numel() <= rows * x.shape[-1]
-            and weight.is_contiguous() and weight.dtype == torch.bfloat16):
-        return kernel.linear_bf16(x, weight, module.bias, _amx, True)
-    return F.linear(x, weight, module.bias)
+    # the kernel checks that it applies (no grad mode, bf16 CPU input of 1..rows rows, weight as eligible() found it)
+    # in one C++ call and answers None where it does not
+    y = kernel.linear_bf16_routed(x, module.weight, module.bias, rows, _amx)
+    return F.linear(x, module.weight, module.bias) if y is None else y
 
 
 @contextmanager

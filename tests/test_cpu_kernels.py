@@ -38,6 +38,12 @@ class CountingKernel:
         self.rows.append(x.numel() // x.shape[-1])
         return self.real.linear_bf16(x, w, b, amx, avx512)
 
+    def linear_bf16_routed(self, x, w, b, max_rows, amx):
+        y = self.real.linear_bf16_routed(x, w, b, max_rows, amx)
+        if y is not None:  # the kernel ran
+            self.rows.append(x.numel() // x.shape[-1])
+        return y
+
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """The exact fp64 result of the bf16 inputs."""
@@ -48,7 +54,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 @needs_kernel
 @pytest.mark.parametrize("avx512", ISA)
 @pytest.mark.parametrize("amx", AMX)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 12, 16, 17])
 @pytest.mark.parametrize("k,n", [(16, 8), (100, 37), (64, 48), (576, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_is_the_exact_product_rounded_once(avx512, amx, rows, k, n, bias):
@@ -75,6 +81,28 @@ def test_kernel_keeps_special_values():
     w = torch.tensor([[1.0, 1.0, 0.0, 0.0], [float("inf"), 0.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0]]).bfloat16()
     out = cpu_kernels.linear(x, w)[0].float()
     assert out[0] == 3.0 and out[1] == float("inf") and torch.isnan(out[2])
+
+
+@needs_kernel
+def test_routed_entry_runs_only_where_the_kernel_applies():
+    """The one C++ call each routed layer makes: the kernel's product where it applies, None (stock runs) for grad
+    mode, more rows than allowed, no rows, another dtype, a non-contiguous weight or a bias of another dtype."""
+    kernel = cpu_kernels.load_kernel()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=gen).bfloat16()
+    b = torch.randn(40, generator=gen).bfloat16()
+    x = torch.randn(64, 3, generator=gen).bfloat16().T  # [3, 64], not contiguous: read through a contiguous copy
+    with torch.no_grad():
+        y = kernel.linear_bf16_routed(x, w, b, 4, False)
+        assert y is not None and torch.equal(y, cpu_kernels.linear(x.contiguous(), w, b, amx=False))
+        assert kernel.linear_bf16_routed(x, w, b, 2, False) is None  # 3 rows > 2
+        assert kernel.linear_bf16_routed(x[:0], w, b, 4, False) is None
+        assert kernel.linear_bf16_routed(x.float(), w, b, 4, False) is None
+        assert kernel.linear_bf16_routed(x, w.T.contiguous().T, b, 4, False) is None
+        assert kernel.linear_bf16_routed(x, w, b.float(), 4, False) is None
+    assert kernel.linear_bf16_routed(x, w, b, 4, False) is None  # grad mode on
+    with torch.inference_mode():
+        assert kernel.linear_bf16_routed(x, w, None, 4, False) is not None
 
 
 @needs_kernel
@@ -152,10 +180,10 @@ def test_generate_uses_the_kernel_unless_disabled(monkeypatch):
     model = build_tiny_lm("llama", seed=3).bfloat16()
     kernel = CountingKernel()
     monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
-    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     generate(model, ids, NoDrafter(), DecodeConfig(max_new_tokens=4))
-    # the prefill's layers see 20 rows (stock), its lm_head only the last position; then 3 one-row decode steps
-    # through every linear (2 layers x 7 + lm_head)
+    # the prefill's layers see 40 rows (more than the kernel takes: stock), its lm_head only the last position; then
+    # 3 one-row decode steps through every linear (2 layers x 7 + lm_head)
     assert kernel.rows == [1] * (1 + 3 * 15)
     kernel.rows.clear()
     generate(model, ids, NoDrafter(), DecodeConfig(max_new_tokens=4, cpu_kernel=False))
