@@ -4,9 +4,10 @@ PyTorch's CPU bf16 `F.linear` at one to a few input rows streams the weights far
 (measured on a 2-core Sapphire Rapids, SmolLM2-135M in bf16: its 211 matmuls take ~60 ms a token, ~4.5 GB/s,
 against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same products exactly (bf16 x bf16 in fp32,
 fp32 sums, one rounding to bf16): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
-the tile unit for 2..`AMX_ROWS` rows (a verification tree of up to 16 nodes). Only the summation order differs from
-stock, so outputs agree with stock ones to the last bf16 bit, the same kind of difference a K-row forward already
-has from a one-row forward. More rows (prefill, wide trees) stay on stock PyTorch, whose oneDNN GEMM wins there.
+the tile unit for 2..`AMX_ROWS` rows (a verification tree, Jacobi block or lookahead window of up to 32 tokens).
+Only the summation order differs from stock, so outputs agree with stock ones to the last bf16 bit, the same kind
+of difference a K-row forward already has from a one-row forward. More rows (prefill, wide trees) stay on stock
+PyTorch, whose oneDNN GEMM wins there.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, CPU, contiguous weight, no forward of their own
 set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,
@@ -107,7 +108,7 @@ def load_kernel() -> Any:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            amx: bool | None = None, avx512: bool = True) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], all bf16 on the CPU, through the kernel; `amx` (default:
-    where available) lets 2..16 rows run on the tile unit; `avx512=False` takes the AVX2 path even where AVX-512
+    where available) lets 2..32 rows run on the tile unit; `avx512=False` takes the AVX2 path even where AVX-512
     exists (for tests). Any number of rows is computed correctly; `max_rows` says up to how many it is faster than
     stock."""
     kernel = load_kernel()

@@ -66,7 +66,7 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--no-cpu-kernel", action="store_true",
                    help="run bf16 CPU linears on stock PyTorch only (default: decode steps of up to 4 rows, or "
-                        "16 with AMX, use the engine's own kernel on x86 CPUs with AVX2 or AVX-512; "
+                        "32 with AMX, use the engine's own kernel on x86 CPUs with AVX2 or AVX-512; "
                         "inference.cpu_kernels)")
 
 

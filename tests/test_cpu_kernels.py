@@ -58,7 +58,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 @pytest.mark.parametrize("k,n", [(16, 8), (100, 37), (64, 48), (576, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_is_the_exact_product_rounded_once(avx512, amx, rows, k, n, bias):
-    """Every path (AVX-512 or AVX2 at any row count; AMX for 2..16 rows of widths divisible by 32, with the vector
+    """Every path (AVX-512 or AVX2 at any row count; AMX for 2..32 rows of widths divisible by 32, with the vector
     path finishing the N % 16 rows) against the exact product."""
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(2, rows, k, generator=gen).bfloat16()  # 3-D input: leading dims are flattened and restored
@@ -110,7 +110,7 @@ def test_fast_linears_routes_few_row_no_grad_calls_and_restores(monkeypatch):
     model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 8)).bfloat16()
     kernel = CountingKernel()
     monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
-    rows = max_rows(32)  # 16 with AMX, else 4
+    rows = max_rows(32)  # 32 with AMX, else 4
     few, many = torch.randn(rows, 32).bfloat16(), torch.randn(rows + 1, 32).bfloat16()
     with torch.no_grad():
         stock_few, stock_many = model(few), model(many)

@@ -12,9 +12,10 @@
 // short (a 576-wide row is 18 cache lines) and interleaved, which the hardware prefetchers follow poorly. Measured on
 // SmolLM2-135M's 211 shapes, one row, cold weights, 2 threads: ~25 % more bandwidth; on AMX's 16 rows ~10-15 %.
 //
-// Where the CPU has AMX (Sapphire Rapids and later), 2..16 rows run on the tile unit instead: C^T = W X^T with W's
-// rows loaded as A tiles straight from nn.Linear's layout (16 rows x 32 k) and X as the B tile in VNNI pairs
-// (repacked per call: X is tiny), fp32 accumulation (TDPBF16PS), the same single rounding to bf16 at the end.
+// Where the CPU has AMX (Sapphire Rapids and later), 2..32 rows run on the tile unit instead: C^T = W X^T with W's
+// rows loaded as A tiles straight from nn.Linear's layout (16 rows x 32 k) and X as one or two B tiles (16 rows
+// each) in VNNI pairs (repacked per call: X is tiny), fp32 accumulation (TDPBF16PS), the same single rounding to
+// bf16 at the end.
 //
 // CPUs without AVX-512 take the same blocks on AVX2 + FMA (8 lanes), which Python checks before building this. Each
 // path is compiled for its own instruction set (function target attributes) and chosen at run time, so one build
@@ -281,6 +282,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_bf16: weight must be a contiguous [N, K] matrix");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_bf16: input's last dimension must be ", K);
+  TORCH_CHECK(K > 0, "linear_bf16: the weight has no columns");
   torch::Tensor bias;
   if (b.has_value()) {
     bias = b->contiguous();
@@ -337,8 +339,8 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
   return y;
 }
 
-// The routed call of an nn.Linear in a decode step: the product through the kernel when it applies (no grad mode, x bf16
-// on the CPU with 1..max_rows rows, w and b as linear_bf16 takes them), else None for the caller's stock F.linear.
+// The routed call of an nn.Linear in a decode step: the product through the kernel when it applies (no grad mode, x
+// bf16 on the CPU with 1..max_rows rows, w and b as linear_bf16 takes them), else None for the caller's F.linear.
 // One C++ call instead of the checks in Python: a decode step makes hundreds of these calls.
 c10::optional<torch::Tensor> linear_bf16_routed(const torch::Tensor& x, const torch::Tensor& w,
                                                 const c10::optional<torch::Tensor>& b, int64_t max_rows,
@@ -363,6 +365,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16,
         "y = x @ w^T (+ b), bf16, for a few rows of x; AMX for 2..32 rows if use_amx; AVX2 unless use_avx512");
   m.def("linear_bf16_routed", &linear_bf16_routed,
-        "linear_bf16 (AVX-512 where the CPU has it) when no grad mode is on and x is 1..max_rows bf16 CPU rows, else None");
+        "linear_bf16 (AVX-512 where the CPU has it) if grad mode is off and x is 1..max_rows bf16 CPU rows, else None");
   m.def("amx_init", &amx_init, "ask Linux for the AMX tile state once per process; false if refused");
 }
