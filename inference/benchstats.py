@@ -78,7 +78,7 @@ class Totals:
 
 
 VERDICTS = ("identical", "near_tie", "mismatch", "not_compared")
-SHOWN_DIVERGENCES = 10  # per method in summary.json
+SHOWN_DIVERGENCES = 10  # near-ties listed per method in summary.json (every mismatch is listed)
 
 
 def _ratio(a: Totals, b: Totals | None) -> float | None:
@@ -151,7 +151,8 @@ def greedy_check(answers: dict[str, list[Answer]], main: str, judge: Judge | Non
     """Greedy decoding must not depend on the method. Each turn of each method is compared with the reference's
     same turn when both were generated from the same prompt (else not_compared: an earlier turn differed, so the two
     conversations differ): identical, or judged at its first differing token (near_tie: float rounding can explain
-    it; mismatch: it cannot, or there is no judge)."""
+    it; mismatch: it cannot, or there is no judge). `divergences` names every mismatch and the first
+    SHOWN_DIVERGENCES near-ties."""
     reference = greedy_reference(list(answers), main)
     check: dict[str, Any] = {"reference": reference, "compared_turns": sum(len(a.turns) for a in answers[main]),
                              "methods": {}}
@@ -171,9 +172,9 @@ def greedy_check(answers: dict[str, list[Answer]], main: str, judge: Judge | Non
                     continue
                 comparable = d.left is not None and d.right is not None  # an ended output: mismatch, no rerun
                 verdict = judge(d) if judge is not None and comparable else TieVerdict(False)
-                counts["near_tie" if verdict.near_tie else "mismatch"] += 1
-                if len(shown) < SHOWN_DIVERGENCES:
+                if not verdict.near_tie or counts["near_tie"] < SHOWN_DIVERGENCES:  # a mismatch is always named
                     shown.append(divergence_record(answer.question_id, j, d, verdict))
+                counts["near_tie" if verdict.near_tie else "mismatch"] += 1
         check["methods"][name] = {**counts, "divergences": shown}
     rows = check["methods"].values()
     check["identical"] = all(r["identical"] == sum(r[v] for v in VERDICTS) for r in rows) if rows else None

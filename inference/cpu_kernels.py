@@ -6,8 +6,8 @@ against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same produ
 fp32 sums, one rounding to bf16): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
 the tile unit for 2..`AMX_ROWS` rows (a verification tree, Jacobi block or lookahead window of up to 32 tokens).
 Only the summation order differs from stock, so outputs agree with stock ones to the last bf16 bit, the same kind
-of difference a K-row forward already has from a one-row forward. More rows (prefill, wide trees) stay on stock
-PyTorch, whose oneDNN GEMM wins there.
+of difference a K-row forward already has from a one-row forward. More rows (longer prefills, wider trees) stay on
+stock PyTorch, whose oneDNN GEMM wins there.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, CPU, contiguous weight, no forward of their own
 set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,

@@ -19,10 +19,11 @@ from inference.api import Engine
 from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes
 from inference.bench import ProgressLog, answer
 from inference.bench_methods import EngineRunner, ForwardCounter, HFRunner, Sampling, assisted_settings, pld_defaults
-from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
+from inference.benchstats import (SHOWN_DIVERGENCES, Answer, TurnResult, bandwidth_floor, format_table, greedy_check,
+                                  summarize)
 from inference.cli import UsageError, main
 from inference.drafters import NoDrafter
-from inference.greedy_ties import Fp64Judge
+from inference.greedy_ties import Fp64Judge, TieVerdict
 from inference.prompt_lookup import PromptLookupDrafter
 from inference.prompt_sets import DATA_ENV, HUMANEVAL_TURN, load_questions
 from tests.model_support import save_tiny_model
@@ -208,6 +209,25 @@ def test_near_tie_and_mismatch_judged_by_float64_rerun(target):
     assert (d["position"], d["reference_token"], d["verdict"]) == (k, ref, "mismatch")
     assert d["fp64_gap"] > 1.0 and d["fp64_relative_gap"] > 0 and d["fp64_argmax"] in (a, b)
     assert check["lossless"] is False and check["identical"] is False
+
+
+def test_every_mismatch_is_named_however_many_near_ties_come_first():
+    """summary.json lists the first SHOWN_DIVERGENCES near-ties of a method but every mismatch, so a mismatch late in
+    a long run can be rerun by question id."""
+    n = SHOWN_DIVERGENCES + 3
+
+    def turn(tokens):
+        return TurnResult(tuple(tokens), "", 1.0, len(tokens), (), None, prompt=(1, 2))
+
+    ref = [Answer(q, "a", (turn([5, 6, 7]),)) for q in range(n)]
+    method = [Answer(q, "a", (turn([5, 8, 7]),)) for q in range(n)]  # every turn parts at position 1
+    late = n - 1  # only the last question's divergence is a real mismatch
+    verdicts = iter([TieVerdict(near_tie=q != late) for q in range(n)])
+    check = greedy_check({"ar": ref, "m": method}, "m", judge=lambda d: next(verdicts))["methods"]["m"]
+    assert (check["near_tie"], check["mismatch"]) == (n - 1, 1)
+    shown = check["divergences"]
+    assert [d["question_id"] for d in shown if d["verdict"] == "near_tie"] == list(range(SHOWN_DIVERGENCES))
+    assert [d["question_id"] for d in shown if d["verdict"] == "mismatch"] == [late]
 
 
 def test_reference_far_from_the_float64_argmax_is_a_mismatch_naming_the_method_right(target):

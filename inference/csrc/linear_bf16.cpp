@@ -9,8 +9,9 @@
 // the same fp32 sums (the output is rounded to nearest even, like a bf16 cast).
 //
 // The weights are streamed once per call, so the loops ask for them ahead (software prefetch): a block's NB rows are
-// short (a 576-wide row is 18 cache lines) and interleaved, which the hardware prefetchers follow poorly. Measured on
-// SmolLM2-135M's 211 shapes, one row, cold weights, 2 threads: ~25 % more bandwidth; on AMX's 16 rows ~10-15 %.
+// short (a 576-wide row is 18 cache lines) and interleaved, which the hardware prefetchers follow poorly (a one-off
+// A/B on SmolLM2-135M's 211 shapes, cold weights, 2 threads: ~25 % more bandwidth at one row, ~10 % at 16 rows on AMX;
+// scripts/bench_cpu_kernel.py measures the whole forward).
 //
 // Where the CPU has AMX (Sapphire Rapids and later), 2..32 rows run on the tile unit instead: C^T = W X^T with W's
 // rows loaded as A tiles straight from nn.Linear's layout (16 rows x 32 k) and X as one or two B tiles (16 rows
