@@ -241,6 +241,121 @@ class TrajectoryCollator:
         }
 
 
+# --- packed training rows: one forward per (record, draw) instead of one per state -------------------------------
+
+class PackedTrajectoryDataset(torch.utils.data.Dataset):
+    """One item per (record, draw d): the prompt, the target's greedy answer (the concatenated fixed points) and one
+    state of EVERY block, block j's state d mod n_j (n_j = its states before the fixed point, at least 1), so the
+    record's draws together show every state at least once. PackedTrajectoryCollator lays an item out as one row.
+    ar_source as TrajectoryDataset: target_output trains the AR term on the answer inside the packed row,
+    ground_truth on an extra row with the dataset's reply (a record without one falls back to the answer), both on
+    the two."""
+
+    def __init__(self, records: Sequence[dict[str, Any]], ar_source: str = "target_output") -> None:
+        if ar_source not in AR_SOURCES:
+            raise ValueError(f"ar_source must be one of {', '.join(AR_SOURCES)}, got {ar_source!r}")
+        self.records = list(records)
+        self.ar_source = ar_source
+        self.index = [(r, d) for r, rec in enumerate(self.records)
+                      for d in range(max(max(len(b["states"]) - 1, 1) for b in rec["blocks"]))]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        r, d = self.index[i]
+        record = self.records[r]
+        states = [list(b["states"][d % max(len(b["states"]) - 1, 1)]) for b in record["blocks"]]
+        answer = [t for b in record["blocks"] for t in b["states"][-1]]
+        has_truth = bool(record["answer_ids"])
+        item = {"prompt_ids": list(record["prompt_ids"]), "answer_ids": answer, "states": states,
+                "ar_on_answer": self.ar_source != "ground_truth" or not has_truth}
+        if self.ar_source != "target_output" and has_truth:
+            item["truth_ids"], item["truth_labels"] = list(record["answer_ids"]), list(record["answer_labels"])
+        return item
+
+
+@dataclass(frozen=True)
+class PackedTrajectoryCollator:
+    """PackedTrajectoryDataset items -> right-padded rows sharing one forward. A packed row (prompt length P, J
+    blocks of N, answer length L = J·N) is
+
+        prompt + answer | state_0[:N-1] | state_1[:N-1] | ... | state_{J-1}[:N-1]
+
+    The first P + L tokens are causal; block j's state tokens sit at the positions of block j (P + jN + m) and see
+    the prompt, the answer before block j (its fixed-point prefix) and the earlier tokens of their own state. The
+    state's last token predicts nothing inside the block, so it is left out. Then one forward gives
+      - the global-consistency teacher, the logits predicting block j given the fixed points before it
+        (teacher_index: P + jN - 1 + i), and the student, the logits predicting it from the state (student_index:
+        token 0 from the prefix, as the teacher; token i > 0 from state token i - 1),
+      - the AR term on the answer (ar_targets, the token each position predicts; IGNORE_INDEX elsewhere),
+    exactly as the unpacked rows prefix + state / prefix + fixed point / prompt + answer would. Reply rows
+    (ar_source ground_truth / both) follow the packed rows, causal, with no blocks.
+
+    Tensors: input_ids, position_ids, ar_targets [R, T]; visible [R, T, T] bool (query, key); teacher_index and
+    student_index [R, J, N] into T; block_valid [R, J]. Padded queries see only themselves."""
+
+    pad_token_id: int
+
+    def __call__(self, items: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        sizes = {len(s) for it in items for s in it["states"]}
+        if len(sizes) != 1:
+            raise ValueError(f"one batch mixes block sizes {sorted(sizes)}; collect with a single --block-size")
+        n = sizes.pop()
+        rows = [self.packed_row(it, n) for it in items]
+        rows += [self.reply_row(it["truth_ids"], it["truth_labels"]) for it in items if "truth_ids" in it]
+        width = max(len(r["ids"]) for r in rows)
+        blocks = max(len(r["teacher"]) for r in rows) or 1
+        batch = {
+            "input_ids": torch.full((len(rows), width), self.pad_token_id, dtype=torch.long),
+            "position_ids": torch.zeros(len(rows), width, dtype=torch.long),
+            "ar_targets": torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long),
+            "visible": torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1),
+            "teacher_index": torch.zeros(len(rows), blocks, n, dtype=torch.long),
+            "student_index": torch.zeros(len(rows), blocks, n, dtype=torch.long),
+            "block_valid": torch.zeros(len(rows), blocks, dtype=torch.bool),
+        }
+        for b, row in enumerate(rows):
+            t, j = len(row["ids"]), len(row["teacher"])
+            batch["input_ids"][b, :t] = torch.tensor(row["ids"])
+            batch["position_ids"][b, :t] = torch.tensor(row["positions"])
+            batch["ar_targets"][b, :t] = torch.tensor(row["targets"])
+            batch["visible"][b, :t, :t] = row["visible"]
+            if j:
+                batch["teacher_index"][b, :j] = torch.tensor(row["teacher"])
+                batch["student_index"][b, :j] = torch.tensor(row["student"])
+                batch["block_valid"][b, :j] = True
+        return batch
+
+    @staticmethod
+    def packed_row(item: dict[str, Any], n: int) -> dict[str, Any]:
+        prompt, answer, states = item["prompt_ids"], item["answer_ids"], item["states"]
+        p, length, blocks = len(prompt), len(answer), len(states)
+        head = p + length  # prompt + answer: the causal part
+        ids = prompt + answer + [t for s in states for t in s[: n - 1]]
+        positions = list(range(head)) + [p + j * n + m for j in range(blocks) for m in range(n - 1)]
+        targets = [IGNORE_INDEX] * len(ids)
+        if item["ar_on_answer"]:
+            targets[p - 1 : head - 1] = answer
+        visible = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+        visible[:head, :head] = torch.ones(head, head, dtype=torch.bool).tril()
+        own = torch.ones(n - 1, n - 1, dtype=torch.bool).tril()
+        teacher, student = [], []
+        for j in range(blocks):
+            start, base = p + j * n, head + j * (n - 1)  # block j's first position; its state's first row
+            visible[base : base + n - 1, :start] = True
+            visible[base : base + n - 1, base : base + n - 1] = own
+            teacher.append([start - 1 + i for i in range(n)])
+            student.append([start - 1] + [base + i - 1 for i in range(1, n)])
+        return {"ids": ids, "positions": positions, "targets": targets, "visible": visible, "teacher": teacher,
+                "student": student}
+
+    @staticmethod
+    def reply_row(ids: list[int], labels: list[int]) -> dict[str, Any]:
+        return {"ids": ids, "positions": list(range(len(ids))), "targets": labels[1:] + [IGNORE_INDEX],
+                "visible": torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), "teacher": [], "student": []}
+
+
 if __name__ == "__main__":  # `python -m data.jacobi`: the collector is a tool that drives the engine
     from inference.collect_jacobi import main
 

@@ -97,9 +97,37 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     assert "perplexity  original" in result.stdout and "greedy agreement with the original" in result.stdout
 
 
+def test_train_cllm_packed_full_fine_tuning(setup, single_thread, tmp_path):
+    """method.packing=true with full fine-tuning, the KL teacher and reply rows trains, evaluates and serves."""
+    trajectories = tmp_path / "traj.jsonl"
+    assert collect(setup, trajectories) == 0
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "train", "cllm", "+model=tiny", f"model.path={setup['model']}", "model.dtype=fp32",
+        f"method.trajectories={trajectories}", "method.packing=true", "method.backbone=full", "method.ar_loss=kl",
+        "method.ar_source=both", "data=sharegpt", f"data.path={setup['chats']}", "data.validation_fraction=0.25",
+        "training.max_steps=2", "training.per_device_train_batch_size=2", "training.learning_rate=1e-3",
+        "training.logging_steps=1", "eval.greedy_prompts=1", "eval.greedy_new_tokens=8", "logger=none",
+        f"output_dir={out}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "AR KL to the original" in result.stdout and "Jacobi tokens per step" in result.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["training"]["global_step"] == 2 and config["backbone"]["format"] != "lora_adapter"
+    engine = load(out, dtype="fp32")
+    prompts = [[1, 5, 206, 80, 90]]
+    assert (engine.generate(prompts, max_new_tokens=12, ignore_eos=True).sequences
+            == Engine(engine.model, NoDrafter()).generate(prompts, max_new_tokens=12, ignore_eos=True).sequences)
+    base_sd, tuned_sd = load(None, base=str(setup["model"]), dtype="fp32").model.state_dict(), engine.model.state_dict()
+    assert any(not torch.equal(base_sd[k], tuned_sd[k]) for k in base_sd)
+
+
 @pytest.mark.parametrize("override,message", [
     ("method.trajectories=null", "method.trajectories is not set"),
     ("method.ar_weight=0 method.ar_loss=kl", "trains no KL term"),
+    ("method.packing=true method.consistency=local", "method.packing=true trains global consistency only"),
 ])
 def test_bad_method_settings_fail_in_one_line(override, message):
     from hydra import compose, initialize_config_module

@@ -225,3 +225,33 @@ def test_draft_vocabulary_trains_on_the_most_frequent_labels(tiny_model_dir, sha
     bad_weight = train(tiny_model_dir, sharegpt_file, tmp_path / "bad_weight", "method.soft_labels=1.5")
     assert bad_weight.returncode != 0 and "method.soft_labels=1.5" in bad_weight.stderr
     assert "Traceback" not in bad_weight.stderr and not (tmp_path / "bad_weight").exists()
+
+
+def test_time_budget_stops_after_the_step_that_crosses_it():
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    from train.base import TimeBudget
+
+    now = [100.0]
+    budget = TimeBudget(1.0, clock=lambda: now[0])
+    args, state, control = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(global_step=1), TrainerControl()
+    budget.on_step_end(args, state, control)  # before the first step: the clock has not started
+    assert not control.should_training_stop
+    budget.on_step_begin(args, state, control)
+    now[0] += 59.0
+    assert not budget.on_step_end(args, state, control).should_training_stop
+    now[0] += 1.0
+    assert budget.on_step_end(args, state, control).should_training_stop
+
+
+def test_max_minutes_ends_the_run_with_an_evaluated_checkpoint(tiny_model_dir, sharegpt_file, tmp_path):
+    out = tmp_path / "budget"
+    result = train(tiny_model_dir, sharegpt_file, out, "training.max_steps=50", "training.max_minutes=1e-6")
+    assert_ok(result)
+    assert "training.max_minutes=1e-06 reached at step 1" in result.stdout
+    loaded = load_drafter(out)
+    assert loaded.config["training"]["global_step"] == 1 and "eval_head1_top1" in loaded.config["training"]["metrics"]
+    result = train(tiny_model_dir, sharegpt_file, tmp_path / "bad", "training.max_minutes=0")
+    assert result.returncode == 2 and result.stderr.strip() == "error: training.max_minutes=0.0: must be > 0 or null"

@@ -128,6 +128,32 @@ class LossModule(nn.Module):
         return {"loss": out.loss, "metrics": out.metrics}  # a dict: DeepSpeed hooks output tensors of dicts only
 
 
+class TimeBudget(TrainerCallback):
+    """training.max_minutes: ends training after the optimizer step that crosses the budget (counted from this
+    process's first step), so the run still evaluates and saves its drafter. Under several processes the decision
+    is all-reduced, so every rank stops on the same step."""
+
+    def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = minutes * 60
+        self.clock = clock
+        self.start: float | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.start is None:
+            self.start = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        over = self.start is not None and self.clock() - self.start >= self.seconds
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor(float(over), device=args.device if args.device.type != "cpu" else "cpu")
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            over = bool(flag.item())
+        if over and not control.should_training_stop:
+            log.info("training.max_minutes=%g reached at step %d: stopping", self.seconds / 60, state.global_step)
+            control.should_training_stop = True
+        return control
+
+
 class DraftTrainer(ResumeHooks):
     """HF Trainer whose loss, evaluation and checkpoint format come from a TrainMethod. Public Trainer API only, except
     the two private resume hooks it inherits from train.trainer_hooks.ResumeHooks."""
@@ -343,7 +369,7 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
     """`deepspeed`: a resolved DeepSpeed dict (train.distributed.deepspeed_settings) or None. Under ZeRO-3, build the
     arguments before loading the target: from_pretrained partitions it only while they are alive."""
     t = cfg.training
-    passthrough = {k: v for k, v in OmegaConf.to_container(t, enum_to_str=True).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite")}
+    passthrough = {k: v for k, v in OmegaConf.to_container(t, enum_to_str=True).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite", "max_minutes")}
     args = TrainingArguments(
         output_dir=str(Path(cfg.output_dir) / TRAINER_CHECKPOINTS),
         eval_strategy="steps" if t.eval_steps else "no",
@@ -488,6 +514,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         extra=extra,
         on_nonfinite=cfg.training.on_nonfinite,
     )
+    if cfg.training.max_minutes:
+        trainer.add_callback(TimeBudget(cfg.training.max_minutes))
     if resume:
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)

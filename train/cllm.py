@@ -30,10 +30,13 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
 
+from data.chat import IGNORE_INDEX
 from data.datasets import in_validation
 from data.errors import UsageError
-from data.jacobi import TrajectoryCollator, TrajectoryDataset, read_records
+from data.jacobi import (
+    PackedTrajectoryCollator, PackedTrajectoryDataset, TrajectoryCollator, TrajectoryDataset, read_records)
 from data.readers import DataError
+from inference.cache import additive
 from inference.drafters import NoDrafter
 from inference.generate import DecodeConfig, generate
 from inference.jacobi import JacobiDrafter, JacobiOptions
@@ -129,6 +132,87 @@ def cllm_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings: LossSe
     return StepOutput(loss=loss, metrics=metrics)
 
 
+# (packed batch) -> the original model's float32 logits [M, V] at the positions with an AR target (row-major order)
+PackedReference = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+def packed_hidden(model: nn.Module, batch: dict[str, torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Post-norm hidden states [R, T', D] of a PackedTrajectoryCollator batch (its first `width` columns: a prefix of
+    a packed row is itself a valid packed row), through the stock model with a 4-D additive mask."""
+    width = width or batch["input_ids"].shape[1]
+    dtype = model.get_input_embeddings().weight.dtype
+    mask = additive(batch["visible"][:, None, :width, :width], dtype)  # [R, 1, T', T']
+    out = model.get_decoder()(input_ids=batch["input_ids"][:, :width], attention_mask=mask,
+                              position_ids=batch["position_ids"][:, :width], use_cache=False)
+    return out.last_hidden_state
+
+
+def ar_width(batch: dict[str, torch.Tensor]) -> int:
+    """Columns up to the last position with an AR target (a packed row's states come after its answer)."""
+    scored = (batch["ar_targets"] != IGNORE_INDEX).any(0).nonzero()
+    return int(scored[-1]) + 1 if len(scored) else 1
+
+
+def packed_cllm_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings: LossSettings,
+                     reference: PackedReference | None = None) -> StepOutput:
+    """cllm_loss for a PackedTrajectoryCollator batch: one forward gives the teacher (detached; the same forward, so
+    in train mode: equal to the unpacked eval-mode teacher when the model has no dropout), the student and the AR
+    logits. Global consistency only (local needs each state's next state as a teacher). Same means as cllm_loss:
+    consistency over every block token of the batch, AR over every AR target."""
+    if settings.consistency != "global":
+        raise ValueError("packed CLLM batches train global consistency only (method.packing=false for local)")
+    if settings.ar_loss == "kl" and reference is None:
+        raise ValueError("ar_loss='kl' needs the original model's logits (reference=)")
+    hidden = packed_hidden(model, batch)  # [R, T, D]
+    lm_head = model.get_output_embeddings()
+    valid = batch["block_valid"]  # [R, J]
+
+    def project(index: torch.Tensor) -> torch.Tensor:  # [R, J, N] -> logits [M, N, V] of the valid blocks
+        r, j, n = index.shape
+        picked = hidden.gather(1, index.reshape(r, j * n, 1).expand(-1, -1, hidden.shape[-1]))  # [R, J·N, D]
+        return lm_head(picked.reshape(r, j, n, -1)[valid].to(lm_head.weight.dtype)).float()
+
+    metrics: dict[str, torch.Tensor] = {}
+    loss = hidden.sum() * 0.0
+    if settings.consistency_weight and bool(valid.any()):
+        with torch.no_grad():
+            teacher = project(batch["teacher_index"])
+        consistency = consistency_loss(project(batch["student_index"]), teacher, settings.divergence)
+        loss = loss + settings.consistency_weight * consistency
+        metrics["consistency_loss"] = consistency.detach()
+    else:
+        metrics["consistency_loss"] = loss.detach()
+    if settings.ar_weight:
+        keep = batch["ar_targets"] != IGNORE_INDEX  # [R, T]
+        logits = lm_head(hidden[keep].to(lm_head.weight.dtype)).float()  # [M, V]
+        ce = F.cross_entropy(logits, batch["ar_targets"][keep]) if len(logits) else loss * 0.0
+        term = ce
+        if settings.ar_loss == "kl":
+            ref = reference(batch)  # [M, V]
+            term = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(ref, -1), log_target=True,
+                            reduction="batchmean")
+            metrics["ar_kl"] = term.detach()
+        loss = loss + settings.ar_weight * term
+        metrics["ar_loss"] = ce.detach()
+    return StepOutput(loss=loss, metrics=metrics)
+
+
+def packed_reference(original: nn.Module) -> PackedReference:
+    """PackedReference of `original` (no gradient): only the columns up to the last AR target are run."""
+    def logits(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            width = ar_width(batch)
+            hidden = packed_hidden(original, batch, width)
+            keep = batch["ar_targets"][:, :width] != IGNORE_INDEX
+            lm_head = original.get_output_embeddings()
+            return lm_head(hidden[keep].to(lm_head.weight.dtype)).float()
+    return logits
+
+
+def is_packed(batch: dict[str, torch.Tensor]) -> bool:
+    return "visible" in batch
+
+
 def _block_size(batch: dict[str, torch.Tensor]) -> int:
     """N: every row is prefix + N block tokens, so N = row length - block_start (same for all rows)."""
     lengths = batch["attention_mask"].sum(-1) - batch["block_start"]  # [B]
@@ -151,6 +235,8 @@ def check_options(cfg: DictConfig) -> None:
         (m.backbone == "full" and quantized,
          "method.backbone=full cannot train 4-bit weights (model.quantization=nf4): use method.backbone=lora (QLoRA)"),
         (m.consistency_weight < 0 or m.ar_weight < 0, "method.consistency_weight and method.ar_weight must be >= 0"),
+        (m.packing and m.consistency == "local",
+         "method.packing=true trains global consistency only: set method.consistency=global or method.packing=false"),
     ]
     for bad, message in problems:
         if bad:
@@ -189,11 +275,12 @@ class Method:
         if not train:
             raise DataError(f"method.trajectories={self.m.trajectories}: every record went to validation "
                             f"(data.validation_fraction={d.validation_fraction})")
-        return SplitTrajectories(TrajectoryDataset(train, self.m.ar_source),
-                                 TrajectoryDataset(validation, self.m.ar_source) if validation else None)
+        dataset = PackedTrajectoryDataset if self.m.packing else TrajectoryDataset
+        return SplitTrajectories(dataset(train, self.m.ar_source),
+                                 dataset(validation, self.m.ar_source) if validation else None)
 
-    def collator(self, tokenizer: Any) -> TrajectoryCollator:
-        return TrajectoryCollator(tokenizer.pad_token_id)
+    def collator(self, tokenizer: Any) -> TrajectoryCollator | PackedTrajectoryCollator:
+        return (PackedTrajectoryCollator if self.m.packing else TrajectoryCollator)(tokenizer.pad_token_id)
 
     def build(self, target: nn.Module, tokenizer: Any) -> nn.Module:
         options = BackboneOptions.from_config(self.m, self.cfg.model)
@@ -203,12 +290,25 @@ class Method:
         return model
 
     def forward_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
-        reference = self.reference_logits(model) if self.m.ar_loss == "kl" else None
-        return cllm_loss(model, batch, self.settings, reference)
+        return self.loss(model, batch, self.settings, self.m.ar_loss == "kl")
 
-    def reference_logits(self, model: nn.Module) -> ReferenceLogits:
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], settings: LossSettings, with_reference: bool
+             ) -> StepOutput:
+        """cllm_loss or packed_cllm_loss, whichever the batch is, with the original model as the KL reference."""
+        packed = is_packed(batch)
+        reference = self.reference_logits(model, packed) if with_reference else None
+        return (packed_cllm_loss if packed else cllm_loss)(model, batch, settings, reference)
+
+    def reference_logits(self, model: nn.Module, packed: bool = False) -> ReferenceLogits | PackedReference:
         """The original model's AR logits: LoRA -> the same model with adapters disabled (eval semantics, 4-bit
         layers left trainable); full -> the frozen copy, moved once to the trained model's device."""
+        if packed and is_lora(model):
+            base = packed_reference(model)
+
+            def lora_packed(batch):
+                with model.disable_adapter(), eval_mode(model):
+                    return base(batch)
+            return lora_packed
         if is_lora(model):
             def lora_original(input_ids, attention_mask, labels):
                 with torch.no_grad(), model.disable_adapter(), eval_mode(model):
@@ -218,6 +318,8 @@ class Method:
         device = next(model.parameters()).device
         if next(original.parameters()).device != device:
             original.to(device)
+        if packed:
+            return packed_reference(original)
 
         def copy_original(input_ids, attention_mask, labels):
             with torch.no_grad():
@@ -233,8 +335,7 @@ class Method:
         model and (once) the original one; `jacobi_greedy_match` checks Jacobi output == greedy on the trained one;
         with ar_loss=kl also `ar_kl`, the trained model's KL from the original on the held-out AR tokens."""
         with eval_mode(model):
-            reference = self.reference_logits(model) if self.m.ar_loss == "kl" else None
-            metrics = self.quality(model, batches, prompts, check_greedy=True, reference=reference)
+            metrics = self.quality(model, batches, prompts, check_greedy=True, with_reference=self.m.ar_loss == "kl")
             if self.reference is None:
                 with original_model(model, lambda: self.frozen_original or self.load_original()) as original:
                     self.reference = self.quality(original, batches, prompts, check_greedy=False)
@@ -242,15 +343,15 @@ class Method:
         return metrics
 
     def quality(self, model: nn.Module, batches: Iterable, prompts: list[list[int]], check_greedy: bool,
-                reference: ReferenceLogits | None = None) -> dict[str, float]:
-        sums = {"consistency_loss": 0.0, "ar_loss": 0.0} | ({"ar_kl": 0.0} if reference is not None else {})
+                with_reference: bool = False) -> dict[str, float]:
+        sums = {"consistency_loss": 0.0, "ar_loss": 0.0} | ({"ar_kl": 0.0} if with_reference else {})
         count = 0
         device = model.get_input_embeddings().weight.device
         for i, batch in enumerate(batches):
             if self.cfg.eval.max_batches is not None and i >= self.cfg.eval.max_batches:
                 break
-            out = cllm_loss(model, {k: v.to(device) for k, v in batch.items()}, LossSettings(
-                self.m.consistency, self.m.divergence, 1.0, 1.0, "kl" if reference is not None else "ce"), reference)
+            settings = LossSettings(self.m.consistency, self.m.divergence, 1.0, 1.0, "kl" if with_reference else "ce")
+            out = self.loss(model, {k: v.to(device) for k, v in batch.items()}, settings, with_reference)
             for key in sums:
                 sums[key] += float(out.metrics[key])
             count += 1

@@ -67,6 +67,9 @@ class TrainingConfig:
     resume_from_checkpoint: Optional[str] = None  # a checkpoint directory, or "auto" for the newest complete one
     on_nonfinite: OnNonfinite = OnNonfinite.stop  # what a NaN/inf loss does: stop the run, or skip the batch
     bf16: bool = False  # autocast the trainable modules in bf16 (the frozen backbone follows model.dtype)
+    # wall-clock budget: stop after the step that crosses it, then evaluate and save as at max_steps (null: none).
+    # The schedule still spans max_steps / num_train_epochs: size those to the budget
+    max_minutes: Optional[float] = None
 
 
 @dataclass
@@ -157,6 +160,9 @@ class CllmConfig(BackboneTrainingConfig):
     ar_source: ArSource = ArSource.target_output  # target_output: the target's greedy answer | ground_truth: the data's reply | both
     ar_weight: float = 1.0  # 0 skips the AR term
     ar_loss: ArLoss = ArLoss.ce  # ce: next-token CE | kl: KL(original model ‖ trained) on the same tokens (full: frozen copy)
+    # true: one row per (trajectory, draw) holding one state of every block (data.jacobi.PackedTrajectoryCollator):
+    # one forward where the unpacked layout runs three per state; global consistency only
+    packing: bool = False
 
 
 @dataclass
@@ -270,7 +276,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "max_steps": Range(1, sentinels=((-1, "train for training.num_train_epochs"),)),
         "logging_steps": POSITIVE, "eval_steps": POSITIVE, "save_steps": POSITIVE, "save_total_limit": POSITIVE,
         "max_grad_norm": NATURAL,  # 0: no clipping
-        "dataloader_num_workers": NATURAL,
+        "dataloader_num_workers": NATURAL, "max_minutes": Range(0, low_open=True),
     },
     EvalConfig: {"greedy_prompts": NATURAL, "greedy_new_tokens": POSITIVE, "max_batches": POSITIVE},
     Medusa1Config: {**HEADS, "soft_labels": PROBABILITY},
