@@ -174,6 +174,11 @@ def record_problem(record: Any, vocab_size: int | None) -> str | None:
     return None
 
 
+def draws(block: dict[str, Any]) -> int:
+    """A block's training states: those before its fixed point, or the fixed point alone (converged at once)."""
+    return max(len(block["states"]) - 1, 1)
+
+
 class TrajectoryDataset(torch.utils.data.Dataset):
     """One item per (record, block, state before the fixed point): the block's prefix, that state, the next state,
     the fixed point, and the AR sequence (`ar_source`: the dataset's reply, or the target's own greedy answer =
@@ -186,7 +191,7 @@ class TrajectoryDataset(torch.utils.data.Dataset):
         self.records = list(records)
         self.ar_source = ar_source
         self.index = [(r, j, k) for r, rec in enumerate(self.records) for j, block in enumerate(rec["blocks"])
-                      for k in range(max(len(block["states"]) - 1, 1))]
+                      for k in range(draws(block))]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -257,7 +262,7 @@ class PackedTrajectoryDataset(torch.utils.data.Dataset):
         self.records = list(records)
         self.ar_source = ar_source
         self.index = [(r, d) for r, rec in enumerate(self.records)
-                      for d in range(max(max(len(b["states"]) - 1, 1) for b in rec["blocks"]))]
+                      for d in range(max(draws(b) for b in rec["blocks"]))]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -265,7 +270,7 @@ class PackedTrajectoryDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         r, d = self.index[i]
         record = self.records[r]
-        states = [list(b["states"][d % max(len(b["states"]) - 1, 1)]) for b in record["blocks"]]
+        states = [list(b["states"][d % draws(b)]) for b in record["blocks"]]
         answer = [t for b in record["blocks"] for t in b["states"][-1]]
         has_truth = bool(record["answer_ids"])
         item = {"prompt_ids": list(record["prompt_ids"]), "answer_ids": answer, "states": states,

@@ -162,3 +162,13 @@ def test_packed_loss_refuses_local_consistency_and_a_missing_reference(tiny_lm_f
         packed_cllm_loss(model, batch, LossSettings("local", "kl", 1.0, 1.0))
     with pytest.raises(ValueError, match="reference"):
         packed_cllm_loss(model, batch, LossSettings("global", "kl", 1.0, 1.0, "kl"))
+
+
+def test_packed_batch_without_ar_targets_adds_zero_not_nan(tiny_lm_factory, single_thread):
+    """No AR target in the batch (ground-truth rows whose labels are all masked): CE and KL are zero, as unpacked."""
+    model = tiny_lm_factory("llama")
+    item = {**PackedTrajectoryDataset(RECORDS)[0], "ar_on_answer": False}
+    batch = PackedTrajectoryCollator(0)([item])
+    out = packed_cllm_loss(model, batch, LossSettings("global", "kl", 1.0, 1.0, "kl"), packed_reference(model))
+    assert float(out.metrics["ar_loss"]) == 0.0 and float(out.metrics["ar_kl"]) == 0.0
+    assert torch.isfinite(out.loss) and float(out.loss) == pytest.approx(float(out.metrics["consistency_loss"]))

@@ -145,7 +145,7 @@ class TimeBudget(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         over = self.start is not None and self.clock() - self.start >= self.seconds
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            flag = torch.tensor(float(over), device=args.device if args.device.type != "cpu" else "cpu")
+            flag = torch.tensor(float(over), device=args.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             over = bool(flag.item())
         if over and not control.should_training_stop:

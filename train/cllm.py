@@ -87,14 +87,21 @@ def ar_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              reference: ReferenceLogits | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(mean CE, mean KL(p_ref ‖ p_model) or None without `reference`) over the trained tokens of [B, T] rows."""
     logits, targets = scored_logits(model, input_ids, attention_mask, labels)  # [M, V], [M]
+    return ce_and_kl(logits, targets,
+                     None if reference is None else lambda: reference(input_ids, attention_mask, labels))
+
+
+def ce_and_kl(logits: torch.Tensor, targets: torch.Tensor, reference: Callable[[], torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mean CE, mean KL(p_ref ‖ p_model) or None without `reference`) of logits [M, V] against targets [M];
+    reference() gives the original model's logits [M, V] and is called only when M > 0 (no targets: zeros)."""
     if targets.numel() == 0:
         zero = logits.sum() * 0.0
         return zero, (zero if reference is not None else None)
     ce = F.cross_entropy(logits, targets)
     if reference is None:
         return ce, None
-    ref = reference(input_ids, attention_mask, labels)  # [M, V]
-    kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean")
+    kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(reference(), -1), log_target=True, reduction="batchmean")
     return ce, kl
 
 
@@ -185,15 +192,12 @@ def packed_cllm_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings:
     if settings.ar_weight:
         keep = batch["ar_targets"] != IGNORE_INDEX  # [R, T]
         logits = lm_head(hidden[keep].to(lm_head.weight.dtype)).float()  # [M, V]
-        ce = F.cross_entropy(logits, batch["ar_targets"][keep]) if len(logits) else loss * 0.0
-        term = ce
-        if settings.ar_loss == "kl":
-            ref = reference(batch)  # [M, V]
-            term = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(ref, -1), log_target=True,
-                            reduction="batchmean")
-            metrics["ar_kl"] = term.detach()
-        loss = loss + settings.ar_weight * term
+        ce, kl = ce_and_kl(logits, batch["ar_targets"][keep],
+                           (lambda: reference(batch)) if settings.ar_loss == "kl" else None)
+        loss = loss + settings.ar_weight * (ce if kl is None else kl)
         metrics["ar_loss"] = ce.detach()
+        if kl is not None:
+            metrics["ar_kl"] = kl.detach()
     return StepOutput(loss=loss, metrics=metrics)
 
 
