@@ -28,7 +28,7 @@ from inference.cache import additive, keep_nodes, new_cache
 from inference.draft_stop import DraftStop, StopTrace, parse_stop
 from inference.drafters import DecodeState, Draft
 from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
-from inference.verify import VerifyResult, sample, target_probs
+from inference.verify import VerifyResult, greedy_argmax, sample, target_probs
 from models.checkpoint import (CONFIG_NAME, DrafterMismatchError, attach_shared, draft_model_folder, read_drafter_config,
                                shared_spec)
 from models.loading import DTYPES, MODEL_PREFIXES, TOKENIZER_FILES, load_target, model_config, resolve_model_path
@@ -151,7 +151,7 @@ class DraftModelDrafter:
             cols = None if k == 1 else self.trees[-1].attn[nodes][:, 1 : d * k + 1]  # [k, this step's slots + k]
             logits = self._forward(run, levels[-1], ones, state.next_pos[:, None] + d, cols, keep=k)  # [B, k, V]
             q = target_probs(logits, state.sampling)  # [B, k, V]
-            levels.append(logits.argmax(-1) if greedy else sample(q, state.generator))
+            levels.append(greedy_argmax(logits) if greedy else sample(q, state.generator))
             qs.append(q)
             if watch:
                 feats.append(stop_features(logits, d + 1))

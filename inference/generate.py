@@ -10,7 +10,8 @@ alone with the same `SamplingParams`. acceptance="typical" is lossy. "Equals" is
 forward may round differently from a one-token forward, which can flip a near-tied argmax (rare in fp32, less rare
 in bf16), exactly as batching does in plain decoding. On the CPU, the loop runs a bf16 model's few-row linears through
 the engine's own kernel (inference.cpu_kernels; `DecodeConfig.cpu_kernel=False` keeps stock PyTorch), which rounds
-like stock up to summation order: the same kind of difference.
+like stock up to summation order: the same kind of difference. Masked forwards of a grouped-query model on the CPU
+skip stock sdpa's key/value copy (inference.attention; bit-identical outputs).
 
 Devices (a target split by `device_map`, see inference.devices): the loop's state, the drafts and the masks live on
 the input embeddings' device; the cache layers stay on their own layers' devices; logits are turned into tokens
@@ -27,6 +28,7 @@ from typing import Callable, Iterator
 import torch
 
 from inference.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.attention import gqa_attention
 from inference.cpu_kernels import fast_linears
 from inference.devices import cuda_sync, input_device
 from inference.drafters import DecodeState, Draft, Drafter, NoDrafter
@@ -48,6 +50,7 @@ class DecodeConfig:
     eos_token_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # generation stops after any of these id sequences
     cpu_kernel: bool = True  # few-row bf16 CPU linears through inference.cpu_kernels (stock where unsupported)
+    gqa_attention: bool = True  # masked CPU sdpa without repeat_kv (inference.attention; same outputs as stock)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -268,7 +271,9 @@ def generate(
     if not bool(pad_mask[:, -1].all()):
         raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
     check_window(model, input_ids.shape[1] + config.max_new_tokens)
-    with fast_linears(model, *drafter_modules(drafter), enabled=config.cpu_kernel):
+    modules = drafter_modules(drafter)
+    with fast_linears(model, *modules, enabled=config.cpu_kernel), \
+            gqa_attention(model, *modules, enabled=config.gqa_attention):
         return _generate(model, input_ids, pad_mask, drafter, config, stream, generator)
 
 

@@ -28,7 +28,7 @@ from inference.cache import commit_slots, new_cache, prefill_inputs, tree_inputs
 from inference.drafter_spec import DrafterSpec
 from inference.drafters import DecodeState, Draft
 from inference.tree import build_tree, chain_choices
-from inference.verify import VerifyResult
+from inference.verify import VerifyResult, greedy_argmax
 
 INITS = ("random", "pad", "repeat")  # random prompt tokens | the pad id | the last committed token repeated
 DEFAULT_BLOCK_SIZE = 16
@@ -145,7 +145,7 @@ class JacobiDrafter:
         if state.logits is None:
             raise ValueError("JacobiDrafter needs state.logits (the loop stores the last tree forward's logits)")
         run: JacobiRun = state.drafter_state
-        pred = state.logits.argmax(-1).to(state.root.device)  # [B, N]: token after each node
+        pred = greedy_argmax(state.logits).to(state.root.device)  # [B, N]: token after each node
         n = pred.shape[1]
         accepted = result.num_accepted  # [B]
         source = accepted[:, None] + 1 + torch.arange(n - 1, device=pred.device)  # [B, N - 1] index into pred
@@ -195,7 +195,7 @@ def jacobi_blocks(
     cache = new_cache()
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                 logits_to_keep=1)
-    first = out.logits[:, -1].argmax(-1)  # [B] token after the prefix
+    first = greedy_argmax(out.logits[:, -1])  # [B] token after the prefix
     valid, next_pos = pad_mask.clone(), pad_mask.long().sum(-1)
     result: list[list[BlockTrajectory]] = [[] for _ in range(batch)]
     live = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
@@ -207,7 +207,7 @@ def jacobi_blocks(
         for iterations in range(1, n + 2):  # N iterations fix every token; one more confirms it
             mask, positions = tree_inputs(tree, valid, next_pos, dtype)
             logits = model(input_ids=y, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).logits
-            new = torch.cat([first[:, None], logits[:, :-1].argmax(-1)], dim=1)  # [B, N]
+            new = torch.cat([first[:, None], greedy_argmax(logits[:, :-1])], dim=1)  # [B, N]
             done |= (new == y).all(-1)  # a row is frozen at its first fixed point
             if bool(done.all()):
                 break
@@ -217,7 +217,7 @@ def jacobi_blocks(
             y = torch.where(done[:, None], y, new)
         if not bool(done.all()):  # cannot happen in exact arithmetic: N iterations always reach it
             raise RuntimeError(f"Jacobi block did not converge in {n + 1} iterations")
-        first, last = logits[:, -1].argmax(-1), y[:, -1]
+        first, last = greedy_argmax(logits[:, -1]), y[:, -1]
         valid = commit_slots(valid, torch.full_like(next_pos, n - 1), n)
         next_pos = next_pos + n
         for row in live.nonzero()[:, 0].tolist():

@@ -33,6 +33,7 @@ from data.config import load_data_config
 from data.datasets import load_conversations
 from data.errors import UsageError
 from inference.api import MEDUSA_TOPK, Engine
+from inference.attention import gqa_attention
 from inference.cpu_kernels import fast_linears
 from inference.devices import input_device
 from inference.drafters import Draft, MedusaDrafter, NoDrafter
@@ -187,17 +188,18 @@ def _timed(fn: Any, reps: int, cuda: bool) -> float:
 
 @torch.no_grad()
 def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[int], reps: int,
-                         needs_hidden: bool = True, seed: int = 0, cpu_kernel: bool = True) -> CostCurve:
+                         needs_hidden: bool = True, seed: int = 0, cpu_kernel: bool = True,
+                         gqa: bool = True) -> CostCurve:
     """t(K): the engine's tree forward of K nodes (a star tree: attention cost barely depends on the shape) on a
     cache of `context` random tokens, plus greedy verification of its logits; with the engine's CPU kernel unless
-    `cpu_kernel` is False, as `generate` serves it."""
+    `cpu_kernel` is False, and with inference.attention's GQA path unless `gqa` is False, as `generate` serves it."""
     device = input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(vocab, (1, context), generator=gen).to(device)
     state = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), DecodeConfig(), needs_hidden, None)
     seconds = []
-    with fast_linears(model, enabled=cpu_kernel):  # the kernels the engine serves with
+    with fast_linears(model, enabled=cpu_kernel), gqa_attention(model, enabled=gqa):  # as the engine serves
         for k in sizes:
             tree = build_tree([(r,) for r in range(k - 1)], num_heads=1, topk=max(k - 1, 1), device=device)
             draft = Draft(tree=tree, tokens=torch.randint(vocab, (1, k), generator=gen).to(device))

@@ -27,8 +27,31 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from inference.tree import TreeBuffers
+
+ARGMAX_CHUNK = 1024  # vocabulary slice per first-stage max in `greedy_argmax`
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] int64: `logits.argmax(-1)` exactly (the first index of the maximum; a row with a NaN goes to
+    torch's own argmax), faster on the CPU, where torch's argmax is a scalar loop (~10x slower than this on 16 x
+    49,152 bf16 logits) while its max reductions are vectorised: the max of every ARGMAX_CHUNK-wide slice of the
+    vocabulary, the first slice holding the row's maximum, then the argmax inside that slice only."""
+    v = logits.shape[-1]
+    if logits.device.type != "cpu" or v < 8 * ARGMAX_CHUNK:
+        return logits.argmax(-1)
+    n = -(-v // ARGMAX_CHUNK)
+    padded = logits if n * ARGMAX_CHUNK == v else F.pad(logits, (0, n * ARGMAX_CHUNK - v), value=float("-inf"))
+    slices = padded.reshape(*logits.shape[:-1], n, ARGMAX_CHUNK)  # [..., n, C]
+    slice_max = slices.amax(-1)  # [..., n]
+    top = slice_max.amax(-1, keepdim=True)  # [..., 1]
+    if bool(top.isnan().any()):
+        return logits.argmax(-1)
+    first = (slice_max == top).to(torch.uint8).argmax(-1)  # [...] the first slice holding the maximum
+    inside = slices.gather(-2, first[..., None, None].expand(*first.shape, 1, ARGMAX_CHUNK)).squeeze(-2)  # [..., C]
+    return inside.argmax(-1) + first * ARGMAX_CHUNK
 
 
 @dataclass(frozen=True)
@@ -59,7 +82,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     temperature 0."""
     logits = _at_least_fp32(logits)
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, greedy_argmax(logits)[..., None], 1.0)
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
@@ -88,7 +111,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """[..., V] -> [...]: the target's own token (argmax when greedy, else a sample of `target_probs`)."""
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy_argmax(logits)
     return sample(target_probs(logits, params), generator)
 
 
@@ -138,7 +161,7 @@ def verify_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers)
 
     One argmax on the logits' device, then a walk over the [B, K] argmax ids on the host: the tree is small, and a
     dozen indexing kernels cost more than the walk (about 0.5 ms per step on CPU, as much as the drafting itself)."""
-    pred = logits.argmax(-1)  # [B, K]
+    pred = greedy_argmax(logits)  # [B, K]
     host = host_tree(tree)
     nodes, accepted, next_ids = [], [], []
     drafted_rows = tokens.tolist()

@@ -4,10 +4,13 @@
     python scripts/bench_cpu_kernel.py --base smollm2 --sizes 1,16 --rounds 5
 
 Times `build-tree`'s cost curve (inference.tree_builder.measure_forward_cost: a K-node tree forward on a cache of
---context tokens, plus greedy verification) with stock linears and with the kernel (inference.cpu_kernels),
-alternating the two round by round so that a busy machine slows both alike, and prints per K the median of each and
-their ratio, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy
-bandwidth). Outputs agree with stock to bf16 rounding; tests/test_cpu_kernels.py checks that, this script only times.
+--context tokens, plus greedy verification) three ways: stock PyTorch, with the kernel (inference.cpu_kernels), and
+with the kernel plus the masked-GQA attention path (inference.attention) as `generate` serves; alternating them
+round by round so that a busy machine slows all alike, and prints per K the median of each and their ratios, with
+the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy bandwidth); then torch's
+argmax against the engine's `greedy_argmax` on K rows of logits. Outputs agree with stock to bf16 rounding
+(tests/test_cpu_kernels.py; the attention path and the argmax are bit-identical, tests/test_attention.py): this
+script only times.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,6 +30,7 @@ from inference import cpu_kernels  # noqa: E402
 from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
 from inference.session import add_model_args, check_model_args, open_session  # noqa: E402
 from inference.tree_builder import measure_forward_cost  # noqa: E402
+from inference.verify import greedy_argmax  # noqa: E402
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -36,6 +41,16 @@ def parse_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
         raise UsageError(f"--sizes: increasing node counts >= 1, got {text!r}")
     return sizes
+
+
+def timed_median(fn, reps: int) -> float:
+    fn()  # warm-up
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,20 +90,32 @@ def main(argv: list[str] | None = None) -> int:
     amx = "yes" if cpu_kernels.amx_supported() else "no"
     print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {amx}, "
           f"{torch.get_num_threads()} threads; {args.context} cached tokens; sizes {sizes}", flush=True)
-    times: dict[bool, dict[int, list[float]]] = {False: {k: [] for k in sizes}, True: {k: [] for k in sizes}}
+    # (label, kernel linears, GQA attention): stock PyTorch, the kernel alone, the engine's serving setup
+    variants = (("stock", False, False), ("kernel", True, False), ("kernel+gqa", True, True))
+    times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in sizes} for name, _, _ in variants}
     for round_ in range(args.rounds):
-        for kernel in (False, True):
-            curve = measure_forward_cost(model, args.context, sizes, args.reps, seed=round_, cpu_kernel=kernel)
+        for name, kernel, gqa in variants:
+            curve = measure_forward_cost(model, args.context, sizes, args.reps, seed=round_, cpu_kernel=kernel,
+                                         gqa=gqa)
             for k, seconds in zip(curve.sizes, curve.seconds):
-                times[kernel][k].append(seconds)
-            print(f"round {round_ + 1}/{args.rounds} {'kernel' if kernel else 'stock '}: "
+                times[name][k].append(seconds)
+            print(f"round {round_ + 1}/{args.rounds} {name:10}: "
                   + " ".join(f"K={k} {s * 1e3:.1f}" for k, s in zip(curve.sizes, curve.seconds)) + " ms", flush=True)
     floor_ms = weight_bytes(model) / copy_bandwidth("cpu") * 1e3
-    print("\n| K | stock ms | kernel ms | stock / kernel |\n| ---: | ---: | ---: | ---: |")
+    print("\n| K | stock ms | kernel ms | kernel + GQA attention ms | stock / kernel | kernel / kernel + GQA |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for k in sizes:
-        stock, fast = statistics.median(times[False][k]), statistics.median(times[True][k])
-        print(f"| {k} | {stock * 1e3:.1f} | {fast * 1e3:.1f} | {stock / fast:.2f} |")
+        stock, fast, served = (statistics.median(times[name][k]) for name, _, _ in variants)
+        print(f"| {k} | {stock * 1e3:.1f} | {fast * 1e3:.1f} | {served * 1e3:.1f} | {stock / fast:.2f} | "
+              f"{fast / served:.2f} |")
     print(f"\nbandwidth floor of a step: {floor_ms:.1f} ms ({weight_bytes(model) / 1e6:.0f} MB of weights)")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    for k in sizes:
+        logits = torch.randn(1, k, vocab, generator=torch.Generator().manual_seed(k)).to(model.dtype)
+        stock = timed_median(lambda: logits.argmax(-1), args.reps * args.rounds)
+        fast = timed_median(lambda: greedy_argmax(logits), args.reps * args.rounds)
+        print(f"argmax of {k} x {vocab} {str(model.dtype).removeprefix('torch.')} logits: torch {stock * 1e3:.2f} ms, "
+              f"greedy_argmax {fast * 1e3:.2f} ms ({stock / fast:.1f}x)")
     return 0
 
 
