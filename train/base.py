@@ -6,6 +6,8 @@ module stays free of method branches.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib
 import json
 import logging
@@ -152,6 +154,31 @@ class TimeBudget(TrainerCallback):
             log.info("training.max_minutes=%g reached at step %d: stopping", self.seconds / 60, state.global_step)
             control.should_training_stop = True
         return control
+
+
+class TrimHeap(TrainerCallback):
+    """training.trim_heap on CPU: after every optimizer step, glibc's malloc_trim(0) hands the freed pages inside the
+    heap back to the OS. Batches whose shapes vary (packed or chat rows of different lengths) otherwise fragment the
+    heap: a CLLM run on smollm2 grew ~0.1 GB a step until the OOM killer stopped it; with the trim it stays flat at
+    the same step time (README). Without glibc (musl, macOS) it does nothing."""
+
+    def __init__(self, libc: Any = None) -> None:
+        self.libc = libc if libc is not None else glibc()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
+        return control
+
+
+def glibc() -> Any:
+    """The C library through ctypes when it is glibc (has malloc_trim), else None."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
 
 
 class DraftTrainer(ResumeHooks):
@@ -369,7 +396,7 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
     """`deepspeed`: a resolved DeepSpeed dict (train.distributed.deepspeed_settings) or None. Under ZeRO-3, build the
     arguments before loading the target: from_pretrained partitions it only while they are alive."""
     t = cfg.training
-    passthrough = {k: v for k, v in OmegaConf.to_container(t, enum_to_str=True).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite", "max_minutes")}
+    passthrough = {k: v for k, v in OmegaConf.to_container(t, enum_to_str=True).items() if k not in ("resume_from_checkpoint", "eval_steps", "on_nonfinite", "max_minutes", "trim_heap")}
     args = TrainingArguments(
         output_dir=str(Path(cfg.output_dir) / TRAINER_CHECKPOINTS),
         eval_strategy="steps" if t.eval_steps else "no",
@@ -516,6 +543,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     )
     if cfg.training.max_minutes:
         trainer.add_callback(TimeBudget(cfg.training.max_minutes))
+    if cfg.training.trim_heap and args.device.type == "cpu":
+        trainer.add_callback(TrimHeap())
     if resume:
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)

@@ -70,6 +70,9 @@ class TrainingConfig:
     # wall-clock budget: stop after the step that crosses it, then evaluate and save as at max_steps (null: none).
     # The schedule still spans max_steps / num_train_epochs: size those to the budget
     max_minutes: Optional[float] = None
+    # CPU: return freed heap pages to the OS after every step (glibc malloc_trim); varying row lengths otherwise
+    # fragment the heap until the OOM killer ends a long run
+    trim_heap: bool = True
 
 
 @dataclass
