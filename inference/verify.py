@@ -36,7 +36,7 @@ ARGMAX_CHUNK = 1024  # vocabulary slice per first-stage max in `greedy_argmax`
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[..., V] -> [...] int64: `logits.argmax(-1)` exactly (the first index of the maximum; a row with a NaN goes to
-    torch's own argmax), faster on the CPU, where torch's argmax is a scalar loop (~6x slower than this on 16 x
+    torch's own argmax), faster on the CPU, where torch's argmax is a scalar loop (~4x slower than this on 16 x
     49,152 bf16 logits, two threads: scripts/bench_cpu_kernel.py) while its max reductions are vectorised: the max of
     every ARGMAX_CHUNK-wide slice of the vocabulary, the first slice holding the row's maximum, then the argmax
     inside that slice only."""
