@@ -160,14 +160,13 @@ class TrimHeap(TrainerCallback):
     """training.trim_heap on CPU: after every optimizer step, glibc's malloc_trim(0) hands the freed pages inside the
     heap back to the OS. Batches whose shapes vary (packed or chat rows of different lengths) otherwise fragment the
     heap: a CLLM run on smollm2 grew ~0.1 GB a step until the OOM killer stopped it; with the trim it stays flat at
-    the same step time (README). Without glibc (musl, macOS) it does nothing."""
+    the same step time (README). `libc`: the C library (`glibc()`); without glibc (musl, macOS) the run adds no trim."""
 
-    def __init__(self, libc: Any = None) -> None:
-        self.libc = libc if libc is not None else glibc()
+    def __init__(self, libc: Any) -> None:
+        self.libc = libc
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.libc is not None:
-            self.libc.malloc_trim(0)
+        self.libc.malloc_trim(0)
         return control
 
 
@@ -543,8 +542,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     )
     if cfg.training.max_minutes:
         trainer.add_callback(TimeBudget(cfg.training.max_minutes))
-    if cfg.training.trim_heap and args.device.type == "cpu":
-        trainer.add_callback(TrimHeap())
+    libc = glibc() if cfg.training.trim_heap and args.device.type == "cpu" else None
+    if libc is not None:
+        trainer.add_callback(TrimHeap(libc))
     if resume:
         log.info("resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
