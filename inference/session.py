@@ -19,7 +19,7 @@ from data.templates import TEMPLATES, ChatTemplateError
 from inference.api import attach, load
 from inference.drafter_spec import DrafterSpec
 from inference.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
-from models.loading import TOKENIZER_FILES, load_tokenizer, model_settings
+from models.loading import TOKENIZER_FILES, check_reachable, load_tokenizer, model_settings
 
 
 @dataclass(frozen=True)
@@ -121,12 +121,15 @@ def _trained_chat_template(config: dict[str, Any] | None) -> str | None:
 
 def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOptions]:
     """Every model option (see `add_model_args`) that can be checked without loading a model: the drafter resolved
-    (inference.registry) and the options its type takes, threads, placement. Raises UsageError (one line)."""
+    (inference.registry) and the options its type takes, a base path that does not exist, threads, placement. Raises
+    UsageError (one line)."""
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
     options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab)
     request.check(options, CLI)
+    if request.base:  # a base directory that is not there: its one line now, not after other models loaded
+        check_reachable(model_settings(request.base)["path"], needs=("config.json", "adapter_config.json"))
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
     if args.offload_folder is not None and args.device_map is None:

@@ -43,7 +43,7 @@ def model_config(name_or_path: str, trust_remote_code: bool = False, revision: s
     from transformers import AutoConfig
 
     path = resolve_model_path(name_or_path)
-    _check_reachable(path, needs=("config.json",))
+    check_reachable(path, needs=("config.json",))
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
@@ -54,7 +54,7 @@ def model_config(name_or_path: str, trust_remote_code: bool = False, revision: s
         raise ModelLoadError(f"cannot read the config of model {name_or_path!r}: {first}") from None
 
 
-def _check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
+def check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
     """Fail early with one line when a path-looking string does not exist (instead of a hub lookup traceback), or
     when a local directory holds none of the files `needs` lists."""
     looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # hub ids are "org/name"
@@ -181,7 +181,7 @@ def check_nf4_on_cpu(name_or_path: str, trust_remote_code: bool = False, revisio
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     path = resolve_model_path(name_or_path)
-    _check_reachable(path, needs=("config.json", "adapter_config.json"))
+    check_reachable(path, needs=("config.json", "adapter_config.json"))
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
@@ -226,7 +226,7 @@ def load_target(
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
-    _check_reachable(path, needs=("config.json", "adapter_config.json"))
+    check_reachable(path, needs=("config.json", "adapter_config.json"))
     compute_dtype = torch_dtype(dtype)
     kwargs: dict[str, Any] = dict(
         dtype=compute_dtype,
@@ -282,7 +282,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    _check_reachable(path, needs=TOKENIZER_FILES)
+    check_reachable(path, needs=TOKENIZER_FILES)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:

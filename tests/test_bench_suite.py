@@ -77,12 +77,25 @@ def test_plan_errors_name_the_file_and_key(tmp_path, text, needle):
     ("a: --drafter prompt_lookup\nb: --drafter prompt_lookup --temperature -1", "methods.b: --temperature"),
 ])
 def test_bad_plans_fail_in_one_line_before_any_model_loads(data_dir, tmp_path, capsys, methods, needle):
-    """The base names no model: reaching a model load would fail with another message."""
+    """The base is a folder whose config.json holds no model: reaching a model load would fail with another
+    message."""
+    (tmp_path / "no-model").mkdir()
+    (tmp_path / "no-model" / "config.json").write_text("{}")
     plan = write_plan(tmp_path, f"common: --base {tmp_path}/no-model --questions gsm8k:2\nmethods:\n  "
                       + methods.format(tmp=tmp_path).replace("\n", "\n  ") + "\n")
     assert main([str(plan), "--out", str(tmp_path / "out")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("error: ") and needle.format(tmp=tmp_path) in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_method_base_that_does_not_exist_fails_before_the_baselines_load(data_dir, models, tmp_path, capsys):
+    """The baselines' target exists; a method's own --base does not: one line naming the method, nothing loaded."""
+    plan = write_plan(tmp_path, f"common: --base {models['target']} --questions gsm8k:2\nmethods:\n"
+                      f"  a: --base {tmp_path}/gone/backbone --drafter jacobi\n")
+    assert main([str(plan), "--out", str(tmp_path / "out")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [f"error: {plan}: methods.a: model path '{tmp_path}/gone/backbone' does not exist"]
     assert not (tmp_path / "out").exists()
 
 
