@@ -4,7 +4,9 @@ PyTorch's CPU bf16 `F.linear` at one to a few input rows streams the weights far
 (measured on a 2-core Sapphire Rapids, SmolLM2-135M in bf16: its 211 matmuls take ~60 ms a token, ~4.5 GB/s,
 against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same products exactly (bf16 x bf16 in fp32,
 fp32 sums, one rounding to bf16): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
-the tile unit for 2..`AMX_ROWS` rows (a verification tree, Jacobi block or lookahead window of up to 32 tokens).
+the tile unit for 2..`AMX_ROWS` rows (a verification tree, Jacobi block or lookahead window of up to 32 tokens);
+where it has AVX-512-BF16 without AMX (Cooper Lake, AMD Zen 4/5, guests whose hypervisor hides the tiles), bf16
+dot-product instructions for 2..`DP_ROWS` rows.
 Only the summation order differs from stock, so outputs agree with stock ones to the last bf16 bit, the same kind
 of difference a K-row forward already has from a one-row forward. More rows (longer prefills, wider trees) stay on
 stock PyTorch, whose oneDNN GEMM wins there.
@@ -34,11 +36,13 @@ from models.buildcache import cache_root
 
 FMA_ROWS = 4  # input rows up to which the AVX-512/AVX2 paths beat stock bf16 linear (measured: 1-4 win, 16 loses)
 AMX_ROWS = 32  # input rows up to which the AMX path runs (two B tiles), for inputs whose width is a multiple of 32
+DP_ROWS = 32  # input rows up to which the AVX-512-BF16 path runs where there is no AMX
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
 
 _kernel: Any = None  # the built extension module, once loaded
 _failed = False  # build or load failed once: stock from then on
 _amx = False  # the CPU has AMX and Linux granted the tile state
+_dp = False  # the CPU has AVX-512-BF16 (the kernel's own check)
 
 
 def cpu_supported() -> bool:
@@ -65,7 +69,14 @@ def max_rows(width: int) -> int:
     """Input rows up to which an input of `width` features runs on the kernel (0: no kernel on this machine)."""
     if load_kernel() is None:
         return 0
-    return AMX_ROWS if _amx and width % 32 == 0 else FMA_ROWS
+    if _amx:  # AMX hosts: stock oneDNN runs its own AMX kernels for the widths the tile path does not take
+        return AMX_ROWS if width % 32 == 0 else FMA_ROWS
+    return DP_ROWS if _dp else FMA_ROWS
+
+
+def dp_supported() -> bool:
+    """Whether the AVX-512-BF16 path runs here (builds the kernel if it is not built yet)."""
+    return load_kernel() is not None and _dp
 
 
 def _extension_name() -> str:
@@ -75,7 +86,7 @@ def _extension_name() -> str:
 
 def load_kernel() -> Any:
     """The compiled extension, building it on first use; None where it is unsupported or failed to build."""
-    global _kernel, _failed, _amx
+    global _kernel, _failed, _amx, _dp
     if _kernel is not None or _failed:
         return _kernel
     if not cpu_supported():
@@ -96,6 +107,7 @@ def load_kernel() -> Any:
                                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                          verbose=False)
         _amx = amx_supported() and bool(_kernel.amx_init())
+        _dp = bool(_kernel.has_avx512_bf16())
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back to stock, say so once
         _failed = True
         warnings.warn(f"the engine's bf16 CPU kernel is unavailable, stock PyTorch linear runs instead: "
@@ -106,17 +118,19 @@ def load_kernel() -> Any:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           amx: bool | None = None, avx512: bool = True) -> torch.Tensor:
+           amx: bool | None = None, avx512: bool = True, dp: bool | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], all bf16 on the CPU, through the kernel; `amx` (default:
-    where available) lets 2..32 rows run on the tile unit; `avx512=False` takes the AVX2 path even where AVX-512
-    exists (for tests). Any number of rows is computed correctly; `max_rows` says up to how many it is faster than
-    stock."""
+    where available) lets 2..32 rows run on the tile unit, `dp` (default: where available) lets 2.. rows that AMX does
+    not take run on AVX-512-BF16 dot products; `avx512=False` takes the AVX2 path even where AVX-512 exists (for
+    tests). Any number of rows is computed correctly; `max_rows` says up to how many it is faster than stock."""
     kernel = load_kernel()
     if kernel is None:
         raise RuntimeError("the bf16 CPU kernel is not available on this machine (see cpu_supported())")
     if amx and not _amx:
         raise RuntimeError("AMX is not available on this machine (see amx_supported())")
-    return kernel.linear_bf16(x, weight, bias, _amx if amx is None else amx, avx512)
+    if dp and not _dp:
+        raise RuntimeError("AVX-512-BF16 is not available on this machine (see dp_supported())")
+    return kernel.linear_bf16(x, weight, bias, _amx if amx is None else amx, avx512, _dp if dp is None else dp)
 
 
 def eligible(module: nn.Module) -> bool:
@@ -132,14 +146,15 @@ def eligible(module: nn.Module) -> bool:
 def _forward(module: nn.Linear, kernel: Any, rows: int, x: torch.Tensor) -> torch.Tensor:
     # the kernel checks that it applies (no grad mode, bf16 CPU input of 1..rows rows, weight as eligible() found it)
     # in one C++ call and answers None where it does not
-    y = kernel.linear_bf16_routed(x, module.weight, module.bias, rows, _amx)
+    y = kernel.linear_bf16_routed(x, module.weight, module.bias, rows, _amx, _dp)
     return F.linear(x, module.weight, module.bias) if y is None else y
 
 
 @contextmanager
-def fast_linears(*modules: nn.Module | None, enabled: bool = True) -> Iterator[int]:
+def fast_linears(*modules: nn.Module | None, enabled: bool = True, row_limit: int | None = None) -> Iterator[int]:
     """Within the block, eligible linears of `modules` (None entries skipped) run their few-row no-grad calls through
-    the kernel. Yields how many layers were routed (0 where nothing is eligible or the kernel is unavailable; the
+    the kernel: up to `max_rows` rows, or at most `row_limit` (for benchmarks: 4 is the routing of CPUs without AMX or
+    AVX-512-BF16). Yields how many layers were routed (0 where nothing is eligible or the kernel is unavailable; the
     kernel is only built when some layer is eligible). Restores every layer on exit, also on error."""
     layers: list[nn.Linear] = []
     seen: set[int] = set()
@@ -156,7 +171,8 @@ def fast_linears(*modules: nn.Module | None, enabled: bool = True) -> Iterator[i
         yield 0
         return
     for layer in layers:
-        layer.forward = partial(_forward, layer, kernel, max_rows(layer.in_features))
+        rows = max_rows(layer.in_features)
+        layer.forward = partial(_forward, layer, kernel, rows if row_limit is None else min(rows, row_limit))
     try:
         yield len(layers)
     finally:

@@ -189,17 +189,18 @@ def _timed(fn: Any, reps: int, cuda: bool) -> float:
 @torch.no_grad()
 def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[int], reps: int,
                          needs_hidden: bool = True, seed: int = 0, cpu_kernel: bool = True,
-                         gqa: bool = True) -> CostCurve:
+                         gqa: bool = True, kernel_rows: int | None = None) -> CostCurve:
     """t(K): the engine's tree forward of K nodes (a star tree: attention cost barely depends on the shape) on a
     cache of `context` random tokens, plus greedy verification of its logits; with the engine's CPU kernel unless
-    `cpu_kernel` is False, and with inference.attention's GQA path unless `gqa` is False, as `generate` serves it."""
+    `cpu_kernel` is False (at most `kernel_rows` rows through it, see cpu_kernels.fast_linears), and with
+    inference.attention's GQA path unless `gqa` is False, as `generate` serves it."""
     device = input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(vocab, (1, context), generator=gen).to(device)
     state = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), DecodeConfig(), needs_hidden, None)
     seconds = []
-    with fast_linears(model, enabled=cpu_kernel), gqa_attention(model, enabled=gqa):  # as the engine serves
+    with fast_linears(model, enabled=cpu_kernel, row_limit=kernel_rows), gqa_attention(model, enabled=gqa):
         for k in sizes:
             tree = build_tree([(r,) for r in range(k - 1)], num_heads=1, topk=max(k - 1, 1), device=device)
             draft = Draft(tree=tree, tokens=torch.randint(vocab, (1, k), generator=gen).to(device))

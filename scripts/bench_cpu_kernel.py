@@ -5,8 +5,9 @@
 
 Times `build-tree`'s cost curve (inference.tree_builder.measure_forward_cost: a K-node tree forward on a cache of
 --context tokens, plus greedy verification) three ways: stock PyTorch, with the kernel (inference.cpu_kernels), and
-with the kernel plus the masked-GQA attention path (inference.attention) as `generate` serves; alternating them
-round by round so that a busy machine slows all alike, and prints per K the median of each and their ratios, with
+with the kernel plus the masked-GQA attention path (inference.attention) as `generate` serves; on CPUs where the
+kernel takes more than 4 rows (AMX, AVX-512-BF16) also with it limited to 4 rows (the vector path alone, stock above);
+alternating them round by round so that a busy machine slows all alike, and prints per K the median of each and their ratios, with
 the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy bandwidth); then torch's
 argmax against the engine's `greedy_argmax` on K rows of logits. Outputs agree with stock to bf16 rounding
 (tests/test_cpu_kernels.py; the attention path and the argmax are bit-identical, tests/test_attention.py): this
@@ -88,26 +89,39 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = session.engine.model
     amx = "yes" if cpu_kernels.amx_supported() else "no"
-    print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {amx}, "
+    dp = "yes" if cpu_kernels.dp_supported() else "no"
+    print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {amx}, AVX-512-BF16 {dp}, "
           f"{torch.get_num_threads()} threads; {args.context} cached tokens; sizes {sizes}", flush=True)
-    # (label, kernel linears, GQA attention): stock PyTorch, the kernel alone, the engine's serving setup
-    variants = (("stock", False, False), ("kernel", True, False), ("kernel+gqa", True, True))
-    times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in sizes} for name, _, _ in variants}
+    # (label, kernel linears, the most rows they take, GQA attention): stock PyTorch, the kernel alone, the engine's
+    # serving setup; and where the CPU's wide paths (AMX, AVX-512-BF16) take more than the vector path's 4 rows, the
+    # kernel held to those 4
+    wide = cpu_kernels.max_rows(model.config.hidden_size) > cpu_kernels.FMA_ROWS
+    variants = (("stock", False, None, False),
+                *((("kernel<=4", True, cpu_kernels.FMA_ROWS, False),) if wide else ()),
+                ("kernel", True, None, False), ("kernel+gqa", True, None, True))
+    times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in sizes} for name, *_ in variants}
     for round_ in range(args.rounds):
-        for name, kernel, gqa in variants:
+        for name, kernel, rows, gqa in variants:
             curve = measure_forward_cost(model, args.context, sizes, args.reps, seed=round_, cpu_kernel=kernel,
-                                         gqa=gqa)
+                                         gqa=gqa, kernel_rows=rows)
             for k, seconds in zip(curve.sizes, curve.seconds):
                 times[name][k].append(seconds)
             print(f"round {round_ + 1}/{args.rounds} {name:10}: "
                   + " ".join(f"K={k} {s * 1e3:.1f}" for k, s in zip(curve.sizes, curve.seconds)) + " ms", flush=True)
     floor_ms = weight_bytes(model) / copy_bandwidth("cpu") * 1e3
-    print("\n| K | stock ms | kernel ms | kernel + GQA attention ms | stock / kernel | kernel / kernel + GQA |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    med = {name: {k: statistics.median(times[name][k]) for k in sizes} for name, *_ in variants}
+    few = ["kernel <= 4 rows ms", "kernel <= 4 / kernel"] if wide else []
+    head = ["K", "stock ms", *few[:1], "kernel ms", "kernel + GQA attention ms", "stock / kernel", *few[1:],
+            "kernel / kernel + GQA"]
+    print("\n| " + " | ".join(head) + " |")
+    print("|" + " ---: |" * len(head))
     for k in sizes:
-        stock, fast, served = (statistics.median(times[name][k]) for name, _, _ in variants)
-        print(f"| {k} | {stock * 1e3:.1f} | {fast * 1e3:.1f} | {served * 1e3:.1f} | {stock / fast:.2f} | "
-              f"{fast / served:.2f} |")
+        stock, fast, served = med["stock"][k], med["kernel"][k], med["kernel+gqa"][k]
+        limited = [med["kernel<=4"][k]] if wide else []
+        cells = [str(k), f"{stock * 1e3:.1f}", *(f"{t * 1e3:.1f}" for t in limited), f"{fast * 1e3:.1f}",
+                 f"{served * 1e3:.1f}", f"{stock / fast:.2f}", *(f"{t / fast:.2f}" for t in limited),
+                 f"{fast / served:.2f}"]
+        print("| " + " | ".join(cells) + " |")
     print(f"\nbandwidth floor of a step: {floor_ms:.1f} ms ({weight_bytes(model) / 1e6:.0f} MB of weights)")
     vocab = model.get_output_embeddings().weight.shape[0]
     for k in sizes:

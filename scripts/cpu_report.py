@@ -68,13 +68,15 @@ def bitsandbytes_line() -> str:
     return f"bitsandbytes {bitsandbytes.__version__}: CPU 4-bit layers take the {path} path"
 
 
-def engine_kernel_line() -> str:
+def engine_kernel_line(flags: list[str]) -> str:
     if not cpu_kernels.cpu_supported():
         return "draftsmith bf16 CPU kernel: not on this CPU (needs AVX2 + FMA): stock PyTorch linears"
     isa = "AVX-512" if cpu_kernels.avx512_supported() else "AVX2"
     rows = f"{isa} for 1-{cpu_kernels.FMA_ROWS} rows"
     if cpu_kernels.amx_supported():
         rows += f", AMX for 2-{cpu_kernels.AMX_ROWS}"
+    elif cpu_kernels.avx512_supported() and "avx512_bf16" in flags:
+        rows += f", AVX-512-BF16 for 2-{cpu_kernels.DP_ROWS}"
     return f"draftsmith bf16 CPU kernel: {rows} (built on first use; --no-cpu-kernel for stock)"
 
 
@@ -85,7 +87,7 @@ def report() -> list[str]:
         "cpu flags: " + (" ".join(relevant(flags)) or "none of " + ", ".join(RELEVANT_FLAGS)),
         *torch_lines(),
         bitsandbytes_line(),
-        engine_kernel_line(),
+        engine_kernel_line(flags),
     ]
 
 

@@ -23,6 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="the kernel needs x86 AVX2 + FMA")
 ISA = [pytest.param(True, id="avx512", marks=pytest.mark.skipif(
     not cpu_kernels.avx512_supported(), reason="no AVX-512 on this CPU")), pytest.param(False, id="avx2")]
+# (avx512, dp): the vector path a product takes where AMX does not
+VECTOR = [pytest.param((True, False), id="avx512", marks=pytest.mark.skipif(
+              not cpu_kernels.avx512_supported(), reason="no AVX-512 on this CPU")),
+          pytest.param((True, True), id="avx512bf16", marks=pytest.mark.skipif(
+              not (cpu_kernels.cpu_supported() and cpu_kernels.dp_supported()), reason="no AVX-512-BF16 here")),
+          pytest.param((False, False), id="avx2")]
 AMX = [False, pytest.param(True, marks=pytest.mark.skipif(
     not (cpu_kernels.cpu_supported() and cpu_kernels.amx_supported()), reason="no AMX on this CPU"))]
 
@@ -34,12 +40,12 @@ class CountingKernel:
         self.real = cpu_kernels.load_kernel()
         self.rows: list[int] = []
 
-    def linear_bf16(self, x, w, b, amx, avx512):
+    def linear_bf16(self, x, w, b, amx, avx512, dp):
         self.rows.append(x.numel() // x.shape[-1])
-        return self.real.linear_bf16(x, w, b, amx, avx512)
+        return self.real.linear_bf16(x, w, b, amx, avx512, dp)
 
-    def linear_bf16_routed(self, x, w, b, max_rows, amx):
-        y = self.real.linear_bf16_routed(x, w, b, max_rows, amx)
+    def linear_bf16_routed(self, x, w, b, max_rows, amx, dp):
+        y = self.real.linear_bf16_routed(x, w, b, max_rows, amx, dp)
         if y is not None:  # the kernel ran
             self.rows.append(x.numel() // x.shape[-1])
         return y
@@ -52,19 +58,21 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 @needs_kernel
-@pytest.mark.parametrize("avx512", ISA)
+@pytest.mark.parametrize("vector", VECTOR)
 @pytest.mark.parametrize("amx", AMX)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 12, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 12, 16, 17, 32])
 @pytest.mark.parametrize("k,n", [(16, 8), (100, 37), (64, 48), (576, 200)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_is_the_exact_product_rounded_once(avx512, amx, rows, k, n, bias):
-    """Every path (AVX-512 or AVX2 at any row count; AMX for 2..32 rows of widths divisible by 32, with the vector
-    path finishing the N % 16 rows) against the exact product."""
+def test_kernel_is_the_exact_product_rounded_once(vector, amx, rows, k, n, bias):
+    """Every path (AVX-512 or AVX2 at any row count; AVX-512-BF16 dot products for 2.. rows, whole blocks of 4 rows
+    and each remainder, a K that is not a multiple of 32; AMX for 2..32 rows of widths divisible by 32, with the
+    vector path finishing the N % 16 rows) against the exact product."""
+    avx512, dp = vector
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(2, rows, k, generator=gen).bfloat16()  # 3-D input: leading dims are flattened and restored
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    out = cpu_kernels.linear(x, w, b, amx=amx, avx512=avx512)
+    out = cpu_kernels.linear(x, w, b, amx=amx, avx512=avx512, dp=dp)
     assert out.shape == (2, rows, n) and out.dtype == torch.bfloat16
     ref = _reference(x, w, b)
     # fp32 sums of exact products, rounded to bf16 once: within one bf16 unit (2^-8 relative) plus the fp32
@@ -76,11 +84,25 @@ def test_kernel_is_the_exact_product_rounded_once(avx512, amx, rows, k, n, bias)
 
 
 @needs_kernel
-def test_kernel_keeps_special_values():
-    x = torch.tensor([[1.0, 2.0, 0.0, 0.0]]).bfloat16()
+@pytest.mark.parametrize("rows", [1, 2])  # 2 rows: AMX or AVX-512-BF16 where the CPU has them
+def test_kernel_keeps_special_values(rows):
+    x = torch.tensor([[1.0, 2.0, 0.0, 0.0]] * rows).bfloat16()
     w = torch.tensor([[1.0, 1.0, 0.0, 0.0], [float("inf"), 0.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0]]).bfloat16()
-    out = cpu_kernels.linear(x, w)[0].float()
-    assert out[0] == 3.0 and out[1] == float("inf") and torch.isnan(out[2])
+    for out in cpu_kernels.linear(x, w).float():
+        assert out[0] == 3.0 and out[1] == float("inf") and torch.isnan(out[2])
+
+
+@needs_kernel
+def test_rows_routed_follow_the_cpus_paths():
+    """Up to 32 rows where AMX (inputs whose width is a multiple of 32) or, on CPUs without AMX, AVX-512-BF16 runs
+    them; else up to 4."""
+    widths = {576: cpu_kernels.max_rows(576), 100: cpu_kernels.max_rows(100)}
+    if cpu_kernels.amx_supported():
+        assert widths == {576: cpu_kernels.AMX_ROWS, 100: cpu_kernels.FMA_ROWS}
+    elif cpu_kernels.dp_supported():
+        assert widths == {576: cpu_kernels.DP_ROWS, 100: cpu_kernels.DP_ROWS}
+    else:
+        assert widths == {576: cpu_kernels.FMA_ROWS, 100: cpu_kernels.FMA_ROWS}
 
 
 @needs_kernel
@@ -93,16 +115,16 @@ def test_routed_entry_runs_only_where_the_kernel_applies():
     b = torch.randn(40, generator=gen).bfloat16()
     x = torch.randn(64, 3, generator=gen).bfloat16().T  # [3, 64], not contiguous: read through a contiguous copy
     with torch.no_grad():
-        y = kernel.linear_bf16_routed(x, w, b, 4, False)
-        assert y is not None and torch.equal(y, cpu_kernels.linear(x.contiguous(), w, b, amx=False))
-        assert kernel.linear_bf16_routed(x, w, b, 2, False) is None  # 3 rows > 2
-        assert kernel.linear_bf16_routed(x[:0], w, b, 4, False) is None
-        assert kernel.linear_bf16_routed(x.float(), w, b, 4, False) is None
-        assert kernel.linear_bf16_routed(x, w.T.contiguous().T, b, 4, False) is None
-        assert kernel.linear_bf16_routed(x, w, b.float(), 4, False) is None
-    assert kernel.linear_bf16_routed(x, w, b, 4, False) is None  # grad mode on
+        y = kernel.linear_bf16_routed(x, w, b, 4, False, False)
+        assert y is not None and torch.equal(y, cpu_kernels.linear(x.contiguous(), w, b, amx=False, dp=False))
+        assert kernel.linear_bf16_routed(x, w, b, 2, False, False) is None  # 3 rows > 2
+        assert kernel.linear_bf16_routed(x[:0], w, b, 4, False, False) is None
+        assert kernel.linear_bf16_routed(x.float(), w, b, 4, False, False) is None
+        assert kernel.linear_bf16_routed(x, w.T.contiguous().T, b, 4, False, False) is None
+        assert kernel.linear_bf16_routed(x, w, b.float(), 4, False, False) is None
+    assert kernel.linear_bf16_routed(x, w, b, 4, False, False) is None  # grad mode on
     with torch.inference_mode():
-        assert kernel.linear_bf16_routed(x, w, None, 4, False) is not None
+        assert kernel.linear_bf16_routed(x, w, None, 4, False, False) is not None
 
 
 @needs_kernel
@@ -110,7 +132,7 @@ def test_fast_linears_routes_few_row_no_grad_calls_and_restores(monkeypatch):
     model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 8)).bfloat16()
     kernel = CountingKernel()
     monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
-    rows = max_rows(32)  # 32 with AMX, else 4
+    rows = max_rows(32)  # 32 with AMX or AVX-512-BF16, else 4
     few, many = torch.randn(rows, 32).bfloat16(), torch.randn(rows + 1, 32).bfloat16()
     with torch.no_grad():
         stock_few, stock_many = model(few), model(many)
@@ -124,6 +146,23 @@ def test_fast_linears_routes_few_row_no_grad_calls_and_restores(monkeypatch):
     torch.testing.assert_close(fast_few.float(), stock_few.float(), rtol=2 ** -6, atol=2 ** -6)
     assert torch.equal(fast_many, stock_many)  # more rows: stock, bit for bit
     assert torch.equal(with_grad.detach(), stock_few) and with_grad.requires_grad
+
+
+@needs_kernel
+def test_fast_linears_row_limit_caps_the_routed_rows(monkeypatch):
+    """`row_limit` (benchmarks: the vector path's 4 rows on a CPU whose wide paths take 32) lowers, never raises,
+    the rows a layer routes."""
+    model = nn.Sequential(nn.Linear(32, 16)).bfloat16()
+    kernel = CountingKernel()
+    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
+    with torch.no_grad():
+        for limit in (2, 10_000):
+            with fast_linears(model, row_limit=limit):
+                for rows in (1, 2, 3, max_rows(32), max_rows(32) + 1):
+                    model(torch.randn(rows, 32).bfloat16())
+            routed = [r for r in (1, 2, 3, max_rows(32), max_rows(32) + 1) if r <= min(limit, max_rows(32))]
+            assert kernel.rows == routed, (limit, kernel.rows)
+            kernel.rows.clear()
 
 
 @needs_kernel

@@ -29,7 +29,9 @@ def test_report_names_the_cpu_its_flags_and_torchs_kernels():
         assert wanted <= set(lines[1].removeprefix("cpu flags: ").split()), lines[1]
         if "avx2" in flags:
             assert "avx2 yes" in lines[4]
-        assert ("AMX for 2-32" in lines[6]) == ({"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags))
+        amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+        assert ("AMX for 2-32" in lines[6]) == amx
+        assert ("AVX-512-BF16 for 2-32" in lines[6]) == (not amx and {"avx512f", "avx512_bf16"} <= set(flags))
 
 
 def test_ci_reports_the_cpu_then_runs_the_readme_test_line_verbatim():

@@ -18,6 +18,13 @@
 // each) in VNNI pairs (repacked per call: X is tiny), fp32 accumulation (TDPBF16PS), the same single rounding to
 // bf16 at the end.
 //
+// CPUs with AVX-512-BF16 but no AMX (Cooper Lake; AMD Zen 4 and 5; Sapphire/Emerald Rapids guests whose hypervisor
+// hides the tiles) run 2..32 rows with VDPBF16PS instead: it multiplies 32 bf16 pairs and adds them into 16 fp32
+// lanes in one instruction, reading the weights and the inputs as they are (no widening, no repacking), so a weight
+// vector loaded once serves up to 4 input rows at twice the FMA path's products per instruction. Products are exact
+// in fp32 as above; the instruction flushes denormal inputs and sums to zero, as the AMX tile unit and oneDNN's own
+// bf16 kernels do.
+//
 // CPUs without AVX-512 take the same blocks on AVX2 + FMA (8 lanes), which Python checks before building this. Each
 // path is compiled for its own instruction set (function target attributes) and chosen at run time, so one build
 // serves the machine it was built on. AMX also needs the kernel's permission, asked for once by amx_init().
@@ -51,12 +58,13 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays a 
 }
 
 struct Problem {
-  const float* x;     // [M, K] fp32 copy of the input rows
+  const float* x;     // [M, K] fp32 copy of the input rows (FMA paths)
   int64_t M, K;
   const uint16_t* w;  // [N, K] bf16 bits
   const uint16_t* b;  // [N] bf16 bits, or nullptr
   uint16_t* y;        // [M, N] bf16 bits
   int64_t N;
+  const uint16_t* xh = nullptr;  // [M, K] the input rows' own bf16 bits (AVX-512-BF16 path)
 };
 
 // The rows one register block reads and the outputs it writes: y[m .. m+mb, n .. n+nb] (nb <= NB, mb <= MB; missing
@@ -118,6 +126,76 @@ DS_AVX512 void block_avx512(const Problem& p, int64_t n, int64_t nb, int64_t m, 
 #pragma GCC unroll 16
     for (int j = 0; j < MB; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
   blk.store(p, sums, p.K);
+}
+
+// ---- AVX-512-BF16: VDPBF16PS on the bf16 rows as they are ------------------------------------------------------
+
+#define DS_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// The lane sums of four accumulators at once (13 instructions instead of 4 full reductions of ~8 each): pairs
+// interleaved and added, then the four per-128-bit-lane partial sums, then the four 128-bit lanes.
+DS_BF16DP inline void reduce4(const __m512 (&a)[4], float (&out)[4]) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  // ab per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 (the same for cd): pick [a, b] halves of each and add
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  // abcd per 128-bit lane: a, b, c, d partial sums; add the four lanes
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  _mm_storeu_ps(out, quarter);
+}
+
+template <int NB, int MB>
+DS_BF16DP void block_bf16dp(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
+  const uint16_t* w[NB];
+  const uint16_t* x[MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i) w[i] = p.w + (n + std::min<int64_t>(i, nb - 1)) * p.K;
+#pragma GCC unroll 16
+  for (int j = 0; j < MB; ++j) x[j] = p.xh + (m + std::min<int64_t>(j, mb - 1)) * p.K;
+  __m512 acc[NB][MB];
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.K; k += 32) {  // 32 bf16 = one cache line; masked loads zero the tail's pairs
+    const __mmask32 mask = p.K - k >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (p.K - k)) - 1);
+    __m512i xv[MB];
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) xv[j] = _mm512_maskz_loadu_epi16(mask, x[j] + k);
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + k + NB * p.K), _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int i = 0; i < NB; ++i) {
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, w[i] + k);
+#pragma GCC unroll 16
+      for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv, (__m512bh)xv[j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NB; ++i) {
+    if (i >= nb) break;
+    const float bias = p.b ? bf16_to_float(p.b[n + i]) : 0.0f;
+    float sums[MB];
+    if constexpr (MB == 4) {
+      reduce4(acc[i], sums);
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < MB; ++j) sums[j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < MB; ++j) p.y[(m + j) * p.N + n + i] = float_to_bf16(sums[j] + bias);
+  }
+}
+
+// block_bf16dp<NB, mb> for a run-time mb <= MB: each row count its own registers, no repeated rows
+template <int NB, int MB>
+DS_BF16DP void block_bf16dp_rows(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return block_bf16dp_rows<NB, MB - 1>(p, n, nb, m, mb);
+  }
+  block_bf16dp<NB, MB>(p, n, nb, m, mb);
 }
 
 // ---- AVX2 + FMA (CPUs without AVX-512): the same blocks in 8 lanes; store() sums the K % 8 tail ---------------------
@@ -274,10 +352,17 @@ bool has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
+bool has_avx512_bf16() {
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
-                          bool use_amx, bool use_avx512) {
+                          bool use_amx, bool use_avx512, bool use_dp) {
   static const bool cpu_avx512 = has_avx512();
+  static const bool cpu_dp = has_avx512_bf16();
   const bool avx512 = use_avx512 && cpu_avx512;
+  const bool dp = use_dp && avx512 && cpu_dp;
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_bf16: weight must be a contiguous [N, K] matrix");
@@ -322,11 +407,22 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
     fma_from = N / 16 * 16;
     if (fma_from == N) return y;
   }
+  constexpr int64_t kChunk = 24;  // weight rows per parallel task: a multiple of every NB below
+  if (dp && M >= 2) {  // one row stays on the FMA path below (measured: as fast, and it needs no dot-pair tail)
+    Problem p{nullptr, M, K, wp, bp, yp, N};
+    p.xh = xp;
+    at::parallel_for(0, (N - fma_from + kChunk - 1) / kChunk, 4, [&](int64_t s, int64_t e) {
+      const int64_t n0 = fma_from + s * kChunk, n1 = std::min(fma_from + e * kChunk, N);
+      for (int64_t n = n0; n < n1; n += 6)  // 6 weight rows x 4 input rows: 24 accumulators + 4 inputs + 1 weight
+        for (int64_t m = 0; m < M; m += 4)
+          block_bf16dp_rows<6, 4>(p, n, std::min<int64_t>(6, n1 - n), m, std::min<int64_t>(4, M - m));
+    });
+    return y;
+  }
   thread_local std::vector<float> xf;  // x widened to fp32 (exact), per calling thread, reused
   xf.resize(size_t(M * K));
   for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xp[i]);
   const Problem p{xf.data(), M, K, wp, bp, yp, N};
-  constexpr int64_t kChunk = 24;  // weight rows per parallel task: a multiple of every NB below
   at::parallel_for(0, (N - fma_from + kChunk - 1) / kChunk, 4, [&](int64_t s, int64_t e) {
     const int64_t n0 = fma_from + s * kChunk, n1 = std::min(fma_from + e * kChunk, N);
     if (!avx512) {  // 16 ymm registers: NB x MB accumulators + MB inputs + 1 weight vector
@@ -345,7 +441,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
 // One C++ call instead of the checks in Python: a decode step makes hundreds of these calls.
 c10::optional<torch::Tensor> linear_bf16_routed(const torch::Tensor& x, const torch::Tensor& w,
                                                 const c10::optional<torch::Tensor>& b, int64_t max_rows,
-                                                bool use_amx) {
+                                                bool use_amx, bool use_dp) {
   if (at::GradMode::is_enabled() || !x.device().is_cpu() || x.scalar_type() != at::kBFloat16 || x.dim() < 1) {
     return c10::nullopt;
   }
@@ -357,14 +453,16 @@ c10::optional<torch::Tensor> linear_bf16_routed(const torch::Tensor& x, const to
   if (b.has_value() && (!b->device().is_cpu() || b->scalar_type() != at::kBFloat16 || b->numel() != w.size(0))) {
     return c10::nullopt;
   }
-  return linear_bf16(x, w, b, use_amx, true);
+  return linear_bf16(x, w, b, use_amx, true, use_dp);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16,
-        "y = x @ w^T (+ b), bf16, for a few rows of x; AMX for 2..32 rows if use_amx; AVX2 unless use_avx512");
+        "y = x @ w^T (+ b), bf16, for a few rows of x; AMX for 2..32 rows if use_amx, else AVX-512-BF16 dot products "
+        "for 2.. rows if use_dp; AVX2 unless use_avx512");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs the AVX-512-BF16 path");
   m.def("linear_bf16_routed", &linear_bf16_routed,
         "linear_bf16 (AVX-512 where the CPU has it) if grad mode is off and x is 1..max_rows bf16 CPU rows, else None");
   m.def("amx_init", &amx_init, "ask Linux for the AMX tile state once per process; false if refused");
