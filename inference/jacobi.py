@@ -64,7 +64,10 @@ class JacobiOptions:
                 raise UsageError(f"drafter spec {str(spec)!r}: {key} must be an integer, got {value!r}")
             else:
                 values["block_size" if key == "n" else "seed"] = int(value)
-        return JacobiOptions(**values)
+        try:
+            return JacobiOptions(**values)
+        except ValueError as e:  # a value out of range: name the spec the user wrote
+            raise UsageError(f"drafter spec {str(spec)!r}: {e}") from None
 
 
 @dataclass(frozen=True)

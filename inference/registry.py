@@ -96,7 +96,8 @@ class DrafterRequest:
 
     def check(self, options: LoadOptions, naming: Naming = API) -> None:
         """Refuse, in one line, an option this type does not take or a value it cannot use; reads at most small
-        files of the checkpoint (its stopper entry, its token counts)."""
+        files of the checkpoint (its stopper entry, its token counts); a spec-named drafter is built once without a
+        target, so its options are checked too."""
         kind = DRAFTERS[self.type]
         for name in OPTIONAL:
             if getattr(options, name) is not None and name not in kind.takes:
@@ -108,6 +109,8 @@ class DrafterRequest:
             check_stop_spec(options.draft_stop, has_stopper)
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
+        if self.spec is not None:  # its options and their values, as its builder takes them: no target needed
+            kind.build(self, None, options, None)
 
     def build(self, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
         """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings')."""

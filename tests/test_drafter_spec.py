@@ -123,3 +123,18 @@ def test_option_values_are_checked_before_a_model_loads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"drafter_type": "medusa", "base_model_name_or_path": "b"}))
     with pytest.raises(CheckpointError, match="token_counts.safetensors: missing"):
         resolve(str(tmp_path)).check(LoadOptions(head_vocab=64))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("jacobi:n=0", r"drafter spec 'jacobi:n=0': Jacobi block_size must be >= 2, got 0"),
+    ("jacobi:init=zeros", r"drafter spec 'jacobi:init=zeros': Jacobi init must be one of"),
+    ("lookahead:depth=3", r"lookahead: unknown option 'depth'"),
+    ("prompt_lookup:num_draft=many", r"prompt_lookup: option num_draft must be int, got 'many'"),
+])
+def test_spec_option_values_are_checked_without_a_model(spec, message):
+    """`check` builds a spec-named drafter once without a target, so a value its constructor refuses is one line
+    before any model loads (it used to come after the target had loaded)."""
+    request = resolve(spec, "builtin:tiny", CLI)
+    with pytest.raises(UsageError, match=message):
+        request.check(LoadOptions(), CLI)
+    resolve(spec.partition(":")[0], "builtin:tiny", CLI).check(LoadOptions(), CLI)  # its defaults pass
