@@ -61,7 +61,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 @pytest.mark.parametrize("vector", VECTOR)
 @pytest.mark.parametrize("amx", AMX)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 12, 16, 17, 32])
-@pytest.mark.parametrize("k,n", [(16, 8), (100, 37), (64, 48), (576, 200)])
+@pytest.mark.parametrize("k,n", [(16, 8), (37, 19), (100, 37), (64, 48), (576, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_is_the_exact_product_rounded_once(vector, amx, rows, k, n, bias):
     """Every path (AVX-512 or AVX2 at any row count; AVX-512-BF16 dot products for 2.. rows, whole blocks of 4 rows
