@@ -21,6 +21,7 @@ from inference.tree import TreeBuffers
 from inference.verify import SamplingParams
 from models.checkpoint import load_drafter_target
 from models.backbone import eos_token_ids
+from models.builtin import model_settings
 from models.loading import load_target
 
 class Engine:
@@ -107,7 +108,8 @@ def load(
     LM sharing the base's tokenizer (a model directory, "builtin:<name>" or "early_exit:<model>:<N>": it drafts as a
     draft model; `tree="chain:<n>"` sets the draft length), a drafter spec ("prompt_lookup", "jacobi:n=32", ...),
     None for plain autoregressive decoding through the same loop (the baseline), or a request already resolved.
-    `base` defaults to the checkpoint's base_model_name_or_path. `tree` is a tree spec for tree drafters (see
+    `base` defaults to the checkpoint's base_model_name_or_path; a model name of conf/model ("tiny", "smollm2",
+    "vicuna7b") means what it means on the command line. `tree` is a tree spec for tree drafters (see
     inference.tree.load_tree); None uses the shipped default for the drafter's head count. `tp_plan="auto"` under
     torchrun shards the target tensor-parallel across the processes (`device` is then each process's own device);
     every process runs the same loop and returns the same tokens. `device_map` ("auto", "balanced", a dict or a JSON
@@ -126,7 +128,7 @@ def load(
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
                          trust_remote_code=trust_remote_code, tp_plan=tp_plan, device_map=device_map,
                          offload_folder=offload_folder)
-    base = base or request.base
+    base = model_settings(base or request.base)["path"]  # a model name ("tiny", "smollm2") as the command line takes it
     if request.config is not None and request.config.get("backbone"):  # a fine-tuned target (Medusa-2, CLLM)
         model = load_drafter_target(request.path, base, **target_kwargs)
     else:

@@ -102,3 +102,21 @@ def test_api_and_cli_spec(tmp_path, tiny_lm_factory):
     assert (cli_drafter.num_draft, cli_drafter.max_ngram) == (4, 2)
     with pytest.raises(ValueError, match="prompt_lookup: unknown option 'gamma'"):
         build_from_spec("prompt_lookup:gamma=4")
+
+
+def test_api_load_takes_model_names_as_the_command_line_does(monkeypatch):
+    """`load(..., base="tiny")` loads the built-in `builtin:tiny` (conf/model/tiny.yaml's path), as `--base tiny`
+    does, instead of asking the hub for a repository named "tiny"; paths and hub ids pass through unchanged."""
+    import inference.api as api
+
+    asked = []
+
+    def fake_load_target(name, **kwargs):
+        asked.append(name)
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(api, "load_target", fake_load_target)
+    for base in ("tiny", "builtin:tiny", "org/some-model", "./a/local/dir"):
+        with pytest.raises(RuntimeError, match="stop before loading"):
+            api.load("prompt_lookup", base=base)
+    assert asked == ["builtin:tiny", "builtin:tiny", "org/some-model", "./a/local/dir"]
