@@ -34,7 +34,8 @@ from torch import nn
 
 from models.buildcache import cache_root
 
-FMA_ROWS = 4  # input rows up to which the AVX-512/AVX2 paths beat stock bf16 linear (measured: 1-4 win, 16 loses)
+FMA_ROWS = 4  # rows the AVX-512/AVX2 FMA paths take where no wider path runs (measured before AMX and AVX-512-BF16
+# were routed: 1-4 rows won, 16 lost; unmeasured since on CPUs with neither)
 AMX_ROWS = 32  # input rows up to which the AMX path runs (two B tiles), for inputs whose width is a multiple of 32
 DP_ROWS = 32  # input rows up to which the AVX-512-BF16 path runs where there is no AMX
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
