@@ -192,11 +192,10 @@ def check_plan(plan: Plan) -> tuple[argparse.Namespace, dict[str, argparse.Names
         args = bench_namespace(plan, m.args, f"methods.{m.name}")
         if not args.drafter or args.drafter == "none":
             raise UsageError(f"{plan.path}: methods.{m.name}: needs --drafter (the baselines run without one)")
-        for flag, value in (("--drafter", args.drafter), ("--tree", args.tree)):
-            if value and ("/" in value or value.endswith(".json")) and not Path(value).exists():
-                raise UsageError(f"{plan.path}: methods.{m.name}: {flag} {value}: not found")
+        if args.tree and ("/" in args.tree or args.tree.endswith(".json")) and not Path(args.tree).exists():
+            raise UsageError(f"{plan.path}: methods.{m.name}: --tree {args.tree}: not found")
         try:
-            check_model_args(args)  # the drafter and the options its type takes, as open_session will
+            check_model_args(args)  # the drafter (a path, a spec, a cached hub id) and the options its type takes
         except UsageError as e:
             raise UsageError(f"{plan.path}: methods.{m.name}: {e}") from None
         method_args[m.name] = args

@@ -3,6 +3,7 @@
     a draftsmith checkpoint directory   its config.json's "drafter_type": medusa, draft_model, cllm
     a plain causal LM                   a model directory, builtin:<name> or early_exit:<model>:<N>: a draft_model
     a spec "name[:key=value,...]"       a drafter without a checkpoint: jacobi, lookahead, prompt_lookup
+    a hub id "org/name"                 either of the first two, read from the local Hugging Face cache's snapshot
     None or "none"                      plain autoregressive decoding through the same loop
 
 `resolve` reads at most a config.json (no model loads) and returns a `DrafterRequest`; `DrafterRequest.check`
@@ -39,6 +40,7 @@ from inference.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
 from inference.lookahead import LookaheadDrafter
 from inference.prompt_lookup import PromptLookupDrafter
 from inference.tree import load_tree
+from models.buildcache import hub_snapshot, is_hub_id
 from models.checkpoint import (
     CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
 )
@@ -227,13 +229,21 @@ def resolve(drafter: str | Path | None, base: str | None = None, naming: Naming 
     unserved type (CheckpointError naming its config.json), or no base model."""
     label = "none" if drafter is None else str(drafter)
     spec = named_spec(drafter)
+    if (drafter is not None and spec is None and label != "none" and is_hub_id(label) and not Path(drafter).exists()
+            and not is_plain_model(drafter)):
+        snapshot = hub_snapshot(label)  # a hub id in the local Hugging Face cache: its snapshot directory
+        if snapshot is None:
+            raise UsageError(f"{naming.drafter} {label}: not a local directory, and the Hugging Face cache holds no "
+                             f"complete snapshot of it (config.json and weights); fetch it first, e.g. "
+                             f"`huggingface-cli download {label}`")
+        drafter = snapshot
     if drafter is None or label == "none":
         request = DrafterRequest("none", label, base or "")
     elif spec is not None:
         request = DrafterRequest(spec.name, label, base or "", spec=spec)
     elif is_plain_model(drafter):  # a causal LM dir or builtin:/early_exit: name, drafting for `base`
-        config = {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": label}
-        request = DrafterRequest("draft_model", label, base or "", path=Path(label), config=config)
+        config = {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": str(drafter)}
+        request = DrafterRequest("draft_model", label, base or "", path=Path(drafter), config=config)
     elif not Path(drafter).exists():
         raise UsageError(f"{naming.drafter} {label}: no such checkpoint or model directory, and not a registered "
                          f"drafter ({', '.join(spec_names())})")

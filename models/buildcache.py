@@ -1,4 +1,5 @@
-"""The cache of models draftsmith makes itself (built-in tiny models, converted GGUF checkpoints).
+"""The cache of models draftsmith makes itself (built-in tiny models, converted GGUF checkpoints), and lookups in the
+Hugging Face hub's own local cache (`hub_snapshot`).
 
 Root: $DRAFTSMITH_CACHE, else platformdirs.user_cache_dir("draftsmith"). A directory is complete iff it holds
 COMPLETE_MARKER: it is written in a sibling temp dir and moved in with os.replace, so readers never see half a build.
@@ -76,3 +77,20 @@ def build_lock(directory: Path, name: str) -> Iterator[None]:
     Path(directory).mkdir(parents=True, exist_ok=True)
     with FileLock(str(Path(directory) / f".{name}.lock")):
         yield
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether `text` has the form of a hub repository id ("org/name"): one slash, not a path-looking string."""
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))
+
+
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The local hub cache's snapshot of `repo_id` when it holds a config and weights; never goes online."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError) or no usable cache: fall through
+        return None
+    has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    return folder if (folder / "config.json").is_file() and has_weights else None

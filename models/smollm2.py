@@ -21,7 +21,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
+from models.buildcache import atomic_dir, build_lock, cache_root, hub_snapshot, is_complete
 
 NAME = "smollm2"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -59,18 +59,6 @@ def ensure_smollm2(progress: bool = True, cache_dir: Path | None = None, fetch: 
             with atomic_dir(target, FORMAT_VERSION) as tmp:
                 convert_gguf(gguf, tmp, source=f"{WHEEL_PROJECT}=={WHEEL_VERSION}:{GGUF_FILE}")
     return target
-
-
-def hub_snapshot(repo_id: str) -> Path | None:
-    """The local hub cache's snapshot of `repo_id` when it holds a config and weights; never goes online."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError) or no usable cache: fall through
-        return None
-    has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
-    return folder if (folder / "config.json").is_file() and has_weights else None
 
 
 def find_gguf(downloads: Path, fetch: bool = True, progress: bool = True) -> Path:

@@ -71,7 +71,10 @@ def test_plan_errors_name_the_file_and_key(tmp_path, text, needle):
 @pytest.mark.parametrize("methods, needle", [
     ("a: --drafter prompt_lookup --colour red", "methods.a: '--colour' is not an option"),
     ("a: --tree chain", "methods.a: needs --drafter"),
-    ("a: --drafter {tmp}/no-such-checkpoint", "--drafter {tmp}/no-such-checkpoint: not found"),
+    ("a: --drafter {tmp}/no-such-checkpoint", "methods.a: --drafter {tmp}/no-such-checkpoint: no such checkpoint"),
+    ("a: --drafter nobody/not-cached", "methods.a: --drafter nobody/not-cached: not a local directory, and the "
+                                       "Hugging Face cache holds no complete snapshot"),
+    ("a: --drafter prompt_lookup --tree {tmp}/no-tree.json", "methods.a: --tree {tmp}/no-tree.json: not found"),
     ("a: --drafter prompt_lookup --tree chain", "methods.a: --tree does not apply to drafter 'prompt_lookup'"),
     ("a: {{args: --drafter prompt_lookup, categories: [writing]}}", "methods.a.categories ['writing']: no such"),
     ("a: --drafter prompt_lookup\nb: --drafter prompt_lookup --temperature -1", "methods.b: --temperature"),

@@ -2,6 +2,7 @@
 registry's option checks (inference.registry: what `load` and the command line both refuse before a model loads)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,46 @@ def test_spec_option_values_are_checked_without_a_model(spec, message):
     with pytest.raises(UsageError, match=message):
         request.check(LoadOptions(), CLI)
     resolve(spec.partition(":")[0], "builtin:tiny", CLI).check(LoadOptions(), CLI)  # its defaults pass
+
+
+def _hub_snapshot(hub: Path, repo_id: str) -> Path:
+    """models--<org>--<name>/{refs/main, snapshots/<commit>} in a hub cache folder, as huggingface_hub lays it out."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    return snapshot
+
+
+def test_a_hub_id_resolves_to_its_snapshot_in_the_local_cache(tmp_path, monkeypatch):
+    """`--drafter org/name` (a draft model or a draftsmith checkpoint on the hub) is read from the local Hugging Face
+    cache, never online; one that is not there is one line saying how to fetch it; builtin:/early_exit: names and
+    local paths with one slash are untouched."""
+    import huggingface_hub.constants
+
+    from tests.model_support import save_tiny_model
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    draft = _hub_snapshot(hub, "org/tiny-draft")
+    save_tiny_model(draft)
+    request = resolve("org/tiny-draft", "builtin:tiny", CLI)
+    assert (request.type, request.label, request.path) == ("draft_model", "org/tiny-draft", draft)
+    assert request.config["draft_model_path"] == str(draft)
+    heads = _hub_snapshot(hub, "org/medusa-heads")
+    (heads / "config.json").write_text(json.dumps({"drafter_type": "medusa", "base_model_name_or_path": "b"}))
+    (heads / "drafter.safetensors").write_bytes(b"")
+    request = resolve("org/medusa-heads")
+    assert (request.type, request.path, request.base) == ("medusa", heads, "b")
+    with pytest.raises(UsageError, match=r"--drafter org/missing: not a local directory, and the Hugging Face cache "
+                                         r"holds no complete snapshot .* `huggingface-cli download org/missing`"):
+        resolve("org/missing", "builtin:tiny", CLI)
+    _hub_snapshot(hub, "org/config-only")  # a snapshot without weights (only small files fetched) is not complete
+    with pytest.raises(UsageError, match="holds no complete snapshot"):
+        resolve("org/config-only", "builtin:tiny", CLI)
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / "runs" / "draft"
+    save_tiny_model(local)
+    assert resolve("runs/draft", "builtin:tiny", CLI).path == Path("runs/draft")  # a local path wins over the hub
