@@ -229,8 +229,7 @@ def resolve(drafter: str | Path | None, base: str | None = None, naming: Naming 
     unserved type (CheckpointError naming its config.json), or no base model."""
     label = "none" if drafter is None else str(drafter)
     spec = named_spec(drafter)
-    if (drafter is not None and spec is None and label != "none" and is_hub_id(label) and not Path(drafter).exists()
-            and not is_plain_model(drafter)):
+    if spec is None and is_hub_id(label) and not Path(label).exists() and not is_plain_model(label):
         snapshot = hub_snapshot(label)  # a hub id in the local Hugging Face cache: its snapshot directory
         if snapshot is None:
             raise UsageError(f"{naming.drafter} {label}: not a local directory, and the Hugging Face cache holds no "

@@ -79,9 +79,15 @@ def build_lock(directory: Path, name: str) -> Iterator[None]:
         yield
 
 
+def looks_local(path: str) -> bool:
+    """Whether `path` can only be a local path: it starts like one (".", "/", "~") or has more slashes than a hub
+    repository id ("org/name") has."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
 def is_hub_id(text: str) -> bool:
     """Whether `text` has the form of a hub repository id ("org/name"): one slash, not a path-looking string."""
-    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))
+    return not looks_local(text) and "/" in text and all(text.split("/"))
 
 
 def hub_snapshot(repo_id: str) -> Path | None:

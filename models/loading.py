@@ -21,6 +21,7 @@ from models.builtin import (  # noqa: F401  (re-exported: the names callers know
     BUILTIN_PREFIX, DTYPES, EARLY_EXIT_PREFIX, MODEL_PREFIXES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError,
     model_settings, resolve_builtin, torch_dtype,
 )
+from models.buildcache import looks_local
 from models.early_exit import ensure_early_exit
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,8 @@ def model_config(name_or_path: str, trust_remote_code: bool = False, revision: s
 def check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
     """Fail early with one line when a path-looking string does not exist (instead of a hub lookup traceback), or
     when a local directory holds none of the files `needs` lists."""
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # hub ids are "org/name"
     local = os.path.expanduser(path)
-    if looks_local and not os.path.isdir(local):
+    if looks_local(path) and not os.path.isdir(local):
         raise ModelLoadError(f"model path {path!r} does not exist")
     if needs and os.path.isdir(local) and not any(os.path.isfile(os.path.join(local, n)) for n in needs):
         raise ModelLoadError(f"model path {path!r} has no {' or '.join(needs)}")

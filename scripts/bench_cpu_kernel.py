@@ -6,10 +6,10 @@
 Times `build-tree`'s cost curve (inference.tree_builder.measure_forward_cost: a K-node tree forward on a cache of
 --context tokens, plus greedy verification) three ways: stock PyTorch, with the kernel (inference.cpu_kernels), and
 with the kernel plus the masked-GQA attention path (inference.attention) as `generate` serves; on CPUs where the
-kernel takes more than 4 rows (AMX, AVX-512-BF16) also with it limited to 4 rows (the vector path alone, stock above);
-alternating them round by round so that a busy machine slows all alike, and prints per K the median of each and their ratios, with
-the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy bandwidth); then torch's
-argmax against the engine's `greedy_argmax` on K rows of logits. Outputs agree with stock to bf16 rounding
+kernel takes more than 4 rows (AMX, AVX-512-BF16) also with it limited to 4 rows (the kernel for 1-4 rows, stock
+above); alternating them round by round so that a busy machine slows all alike, and prints per K the median of each
+and their ratios, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy
+bandwidth); then torch's argmax against the engine's `greedy_argmax` on K rows of logits. Outputs agree with stock to bf16 rounding
 (tests/test_cpu_kernels.py; the attention path and the argmax are bit-identical, tests/test_attention.py): this
 script only times.
 """

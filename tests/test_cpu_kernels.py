@@ -21,8 +21,6 @@ from tests.conftest import build_tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="the kernel needs x86 AVX2 + FMA")
-ISA = [pytest.param(True, id="avx512", marks=pytest.mark.skipif(
-    not cpu_kernels.avx512_supported(), reason="no AVX-512 on this CPU")), pytest.param(False, id="avx2")]
 # (avx512, dp): the vector path a product takes where AMX does not
 VECTOR = [pytest.param((True, False), id="avx512", marks=pytest.mark.skipif(
               not cpu_kernels.avx512_supported(), reason="no AVX-512 on this CPU")),
