@@ -41,6 +41,12 @@ class DataConfig:
     system_prompt: Optional[str] = None
     text_field: str = "text"
     seed: int = 0
+    # Curation (data.readers, data.curation): what is dropped is counted, and logged as one line.
+    recover_truncated: bool = False  # a .json list cut off at its end: keep its complete records, drop the cut one
+    require_user_first: bool = False  # drop conversations whose assistant speaks first (else: trim those replies)
+    dedupe: bool = False  # drop records repeating an earlier record's id or conversation
+    decontaminate: bool = True  # drop train conversations whose first user turn is an eval prompt (data.eval_sets)
+    max_tokens: Optional[int] = None  # train split token budget: a seeded sample of conversations up to it
     # Self-distillation (Medusa paper, sec. 3.3): before training, replace the assistant turns of the train split
     # with the target's own greedy answers (first turn of each conversation), generated through the engine and
     # cached resumably in <output_dir>/self_distill.jsonl. Heads then learn what the target will actually say.
@@ -48,6 +54,9 @@ class DataConfig:
     self_distill_samples: Optional[int] = 1200  # conversations to answer (seeded shuffle of the train split); None: all
     self_distill_new_tokens: int = 128
     self_distill_batch_size: int = 16
+    # A feature cache (`python -m train features ... output_dir=DIR`, data/features.py): train from the target's stored
+    # hidden states and soft labels instead of running it forward; the cache's own samples replace this recipe's.
+    features: Optional[str] = None
 
 
 def available_data_configs() -> list[str]:

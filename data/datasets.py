@@ -1,10 +1,17 @@
 """Chat SFT datasets: config -> conversations -> encoded samples ({"input_ids", "labels"}), optionally packed.
 
-Splits. format=builtin asks data.stdlib_chat for "train" / "validation". Otherwise `path` is read (hub ids with
-split `cfg.split`, "id@split" overrides); validation is `validation_path` when set (hub ids: split "validation"),
-else the records whose index hash (sha256 of "<seed>:<index>") falls below `validation_fraction`: the same records
-for the same seed whatever the machine or the order of calls. A split that ends up empty is None (validation) or an
-error (train). `max_samples` keeps the first N records of each split, after the split.
+Records. format=builtin asks data.stdlib_chat for "train" / "validation". Otherwise `path` is read (hub ids with
+split `cfg.split`, "id@split" overrides; `recover_truncated`, `require_user_first`: see data.readers), and with
+`dedupe` repeated records are dropped (data.curation).
+
+Splits. Validation is `validation_path` when set (hub ids: split "validation"), else the records whose hash (sha256 of
+"<seed>:<key>") falls below `validation_fraction`, the key being the record's conversation (its "id" without a
+trailing "_<part>": the parts of one ShareGPT conversation stay together) or, for a record without an id, its index:
+the same records for the same seed whatever the machine or the order of calls. With `decontaminate`, train
+conversations that ask an evaluation prompt are dropped (data.curation). A split that ends up empty is None
+(validation) or an error (train). `max_samples` keeps the first N records of each split, after the split.
+`max_tokens` (train only) then keeps a seeded sample: conversations in a shuffled order until their encoded tokens
+reach the budget, kept in file order. What became of the records and the splits' sizes: `SplitDatasets.report`.
 
 Encoding. Chat formats go through data.chat.encode_chat (assistant-only labels, truncated to max_length);
 format=text goes through data.chat.encode_text (no template, every token trained). `system_prompt` is prepended to
@@ -22,14 +29,18 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import random
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch.utils.data
 
 from data.chat import IGNORE_INDEX, Conversation, EncodedChat, encode_chat, encode_text
-from data.readers import DataError, ReadResult, read_conversations
+from data.curation import decontaminate, dedupe
+from data.eval_sets import eval_prompts
+from data.readers import DataError, ReadResult, RecordStats, read_conversations
 from data.templates import ChatTemplateError, resolve_template
 
 log = logging.getLogger(__name__)
@@ -54,6 +65,11 @@ class DataConfigLike(Protocol):
     system_prompt: str | None
     text_field: str
     seed: int
+    recover_truncated: bool  # keep the complete records of a .json list cut off at its end
+    require_user_first: bool  # drop (not trim) conversations whose assistant speaks first
+    dedupe: bool  # drop records repeating an earlier id or conversation
+    decontaminate: bool  # drop train conversations that ask an evaluation prompt
+    max_tokens: int | None  # token budget of the train split
 
 
 class EncodedDataset(torch.utils.data.Dataset):
@@ -72,29 +88,55 @@ class EncodedDataset(torch.utils.data.Dataset):
 
 def label_counts(dataset: Any) -> torch.Tensor:
     """[largest label + 1] int64: how often each token id is a trained label (not -100) in `dataset` (items with a
-    "labels" list)."""
-    labels = torch.tensor([t for i in range(len(dataset)) for t in dataset[i]["labels"]], dtype=torch.int64)
+    "labels" list; a dataset with a `labels()` method, such as a feature cache's, yields them without its features)."""
+    rows = dataset.labels() if callable(getattr(dataset, "labels", None)) else (
+        dataset[i]["labels"] for i in range(len(dataset)))
+    labels = torch.cat([torch.as_tensor(row, dtype=torch.int64) for row in rows])
     return torch.bincount(labels[labels != IGNORE_INDEX])
+
+
+@dataclass(frozen=True)
+class SplitStats:
+    """One encoded split's size."""
+
+    conversations: int  # conversations encoded into it (after max_samples, max_tokens and the drops below)
+    samples: int  # dataset items: one per conversation, or packed blocks
+    tokens: int  # input tokens
+    trained_tokens: int  # labels that train (assistant tokens; every token but bos for format=text)
+    dropped: int  # conversations the chat template rejected (on_error=skip) or with no trained token in max_length
+
+
+@dataclass(frozen=True)
+class DataReport:
+    """What build_datasets made; `dataclasses.asdict(report)` is its JSON form (e.g. for a manifest)."""
+
+    records: RecordStats  # data.path's records (format=builtin: the train corpus's), read to kept
+    train: SplitStats
+    validation: SplitStats | None
 
 
 @dataclass(frozen=True)
 class SplitDatasets:
     train: EncodedDataset
     validation: EncodedDataset | None  # None when the config yields no validation records
+    report: DataReport | None = None  # set by build_datasets
 
 
 def build_datasets(cfg: DataConfigLike, tokenizer) -> SplitDatasets:
-    """Encoded (and, with cfg.packing, packed) train and validation datasets; raises DataError on bad data."""
-    splits: dict[str, EncodedDataset | None] = {}
-    for split, records in _load_splits(cfg, SPLITS).items():
-        if records is None:
-            splits[split] = None
-        elif cfg.packing:  # encode whole samples, then cut: long samples continue in the next block
-            blocks = pack(_encode_all(cfg, tokenizer, records, max_length=sys.maxsize), cfg.max_length)
-            splits[split] = EncodedDataset([b for b in blocks if b.num_trained])  # prompt-only blocks carry no loss
-        else:
-            splits[split] = EncodedDataset(_encode_all(cfg, tokenizer, records, max_length=cfg.max_length))
-    return SplitDatasets(train=splits["train"], validation=splits["validation"])
+    """Encoded (and, with cfg.packing, packed) train and validation datasets, with their report (logged: one line on
+    the records, one on the train split); raises DataError on bad data."""
+    splits: dict[str, tuple[EncodedDataset, SplitStats] | None] = {}
+    loaded = _load_splits(cfg, SPLITS)
+    for split, records in loaded.items():
+        budget = cfg.max_tokens if split == "train" else None
+        splits[split] = None if records is None else _encode_split(cfg, tokenizer, records, budget)
+    (train, train_stats), validation = splits["train"], splits["validation"]
+    report = DataReport(loaded["train"].stats, train_stats, None if validation is None else validation[1])
+    log.info("data %s: %s", cfg.name, report.records.summary())
+    log.info("data %s: train %d conversations, %d tokens (%d trained); validation %d conversations",
+             cfg.name, train_stats.conversations, train_stats.tokens, train_stats.trained_tokens,
+             0 if validation is None else validation[1].conversations)
+    return SplitDatasets(train=train, validation=None if validation is None else validation[0], report=report)
 
 
 def load_conversations(cfg: DataConfigLike, split: str) -> list[Conversation]:
@@ -118,50 +160,66 @@ def pack(samples: list[EncodedChat], max_length: int) -> list[EncodedChat]:
     ]
 
 
-def in_validation(index: int, seed: int, fraction: float) -> bool:
-    """Whether record `index` goes to the validation split: a seeded hash, stable across runs and machines."""
-    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+def in_validation(key: int | str, seed: int, fraction: float) -> bool:
+    """Whether the record with split key `key` (its index, or its conversation id: see `split_key`) goes to the
+    validation split: a seeded hash, stable across runs and machines."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+def split_key(record_id: str | None, index: int) -> int | str:
+    """What the split hashes: the record's conversation (its id without a trailing "_<part>"), else its index."""
+    return index if record_id is None else re.sub(r"_\d+$", "", record_id)
+
+
 def _load_splits(cfg: DataConfigLike, splits: tuple[str, ...]) -> dict[str, ReadResult | None]:
-    """The requested splits' records (system prompt applied, max_samples kept); each source is read once."""
-    if cfg.max_length < 1:
-        raise DataError(f"data.max_length must be >= 1, got {cfg.max_length}")
-    if cfg.max_samples is not None and cfg.max_samples < 1:
-        raise DataError(f"data.max_samples must be >= 1 or null, got {cfg.max_samples}")
-    if cfg.format != "builtin" and cfg.path is None:
-        raise DataError(f"data.path is required for data.format={cfg.format!r} (config data={cfg.name!r})")
+    """The requested splits' records (curated, system prompt applied, max_samples kept); each source is read once.
+    The train split's `stats` count data.path's records from read to kept."""
+    _check_config(cfg)
     main = None  # cfg.path, read on first use
     out: dict[str, ReadResult | None] = {}
     for split in splits:
         if cfg.format == "builtin":
             result = _builtin(split)
         elif split == "validation" and cfg.validation_path is not None:
-            result = read_conversations(cfg.validation_path, cfg.format, cfg.on_error, "validation", cfg.text_field)
+            result = _read(cfg, cfg.validation_path, "validation")
         else:
-            main = main or read_conversations(cfg.path, cfg.format, cfg.on_error, cfg.split, cfg.text_field)
+            main = main or _read(cfg, cfg.path, cfg.split)
             result = main if cfg.validation_path is not None else _hash_split(cfg, main, split)
+        if split == "train" and cfg.decontaminate:
+            result = decontaminate(result, eval_prompts())
         if not result.conversations and split == "train":
-            raise DataError(f"{cfg.path or cfg.format}: no training records left after the validation split")
-        keep = len(result.conversations) if cfg.max_samples is None else cfg.max_samples
-        conversations = [_with_system(c, cfg) for c in result.conversations[:keep]]
-        kept = ReadResult(conversations, result.sources[:keep], result.skipped, result.first_error)
-        out[split] = kept if conversations else None
+            raise DataError(f"{cfg.path or cfg.format}: no training records left after the validation split"
+                            f"{' and decontamination' if cfg.decontaminate else ''}")
+        kept = result.select(range(min(len(result.conversations), cfg.max_samples or sys.maxsize)))
+        kept = replace(kept, conversations=[_with_system(c, cfg) for c in kept.conversations])
+        out[split] = kept if kept.conversations else None
     return out
+
+
+def _check_config(cfg: DataConfigLike) -> None:
+    if cfg.max_length < 1:
+        raise DataError(f"data.max_length must be >= 1, got {cfg.max_length}")
+    for key in ("max_samples", "max_tokens"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            raise DataError(f"data.{key} must be >= 1 or null, got {getattr(cfg, key)}")
+    if cfg.format != "builtin" and cfg.path is None:
+        raise DataError(f"data.path is required for data.format={cfg.format!r} (config data={cfg.name!r})")
+
+
+def _read(cfg: DataConfigLike, path: str, split: str) -> ReadResult:
+    result = read_conversations(path, cfg.format, cfg.on_error, split, cfg.text_field,
+                                recover_truncated=cfg.recover_truncated, require_user_first=cfg.require_user_first)
+    return dedupe(result) if cfg.dedupe else result
 
 
 def _hash_split(cfg: DataConfigLike, result: ReadResult, split: str) -> ReadResult:
     if not 0.0 <= cfg.validation_fraction < 1.0:
         raise DataError(f"data.validation_fraction must be in [0, 1), got {cfg.validation_fraction}")
     want_validation = split == "validation"
-    keep = [
-        i for i in range(len(result.conversations))
-        if in_validation(i, cfg.seed, cfg.validation_fraction) == want_validation
-    ]
-    return ReadResult(
-        [result.conversations[i] for i in keep], [result.sources[i] for i in keep], result.skipped,
-        result.first_error,
+    return result.select(
+        i for i, record_id in enumerate(result.ids)
+        if in_validation(split_key(record_id, i), cfg.seed, cfg.validation_fraction) == want_validation
     )
 
 
@@ -173,7 +231,9 @@ def _builtin(split: str) -> ReadResult:
             raise
         raise DataError("data.format=builtin: the built-in corpus (data.stdlib_chat) is not installed") from None
     conversations = stdlib_chat.stdlib_conversations(split)
-    return ReadResult(conversations, [f"builtin[{split}]:{i}" for i in range(1, len(conversations) + 1)], 0, None)
+    n = len(conversations)
+    return ReadResult(conversations, [f"builtin[{split}]:{i}" for i in range(1, n + 1)], [None] * n, 0, None,
+                      RecordStats(read=n, kept=n))
 
 
 def _with_system(conversation: Conversation, cfg: DataConfigLike) -> Conversation:
@@ -182,15 +242,36 @@ def _with_system(conversation: Conversation, cfg: DataConfigLike) -> Conversatio
     return [{"role": "system", "content": cfg.system_prompt}, *conversation]
 
 
-def _encode_all(cfg: DataConfigLike, tokenizer, records: ReadResult, max_length: int) -> list[EncodedChat]:
+def _encode_split(cfg: DataConfigLike, tokenizer, records: ReadResult, max_tokens: int | None
+                  ) -> tuple[EncodedDataset, SplitStats]:
+    """One split encoded (within `max_tokens` when given) and, with cfg.packing, packed; with its figures."""
+    # packing encodes whole samples, then cuts: long samples continue in the next block
+    samples, dropped = _encode_all(cfg, tokenizer, records, sys.maxsize if cfg.packing else cfg.max_length, max_tokens)
+    items = [b for b in pack(samples, cfg.max_length) if b.num_trained] if cfg.packing else samples  # prompt-only
+    stats = SplitStats(conversations=len(samples), samples=len(items),  # blocks carry no loss
+                       tokens=sum(len(s.input_ids) for s in items), trained_tokens=sum(s.num_trained for s in items),
+                       dropped=dropped)
+    return EncodedDataset(items), stats
+
+
+def _encode_all(cfg: DataConfigLike, tokenizer, records: ReadResult, max_length: int, max_tokens: int | None = None
+                ) -> tuple[list[EncodedChat], int]:
+    """The records' samples in record order, and how many records gave none. With `max_tokens`, records are taken in
+    a seeded shuffled order until the samples hold that many tokens (the one crossing the budget included)."""
     if cfg.format != "text":
         try:  # a missing/unknown template is a config problem: fail before touching records
             resolve_template(tokenizer, cfg.chat_template)
         except ChatTemplateError as err:
             raise DataError(f"data.chat_template: {err}") from None
-    samples: list[EncodedChat] = []
-    failed, first_failure, untrained = 0, None, 0
-    for where, conversation in zip(records.sources, records.conversations):
+    order = list(range(len(records.conversations)))
+    if max_tokens is not None:  # a sample of the whole file, not its start
+        random.Random(cfg.seed).shuffle(order)
+    samples: dict[int, EncodedChat] = {}
+    failed, first_failure, untrained, tokens = 0, None, 0, 0
+    for i in order:
+        if max_tokens is not None and tokens >= max_tokens:
+            break
+        where, conversation = records.sources[i], records.conversations[i]
         try:
             if cfg.format == "text":
                 sample = encode_text(tokenizer, conversation[0]["content"], max_length)
@@ -207,7 +288,8 @@ def _encode_all(cfg: DataConfigLike, tokenizer, records: ReadResult, max_length:
         if all(label == IGNORE_INDEX for label in sample.labels):
             untrained += 1
             continue
-        samples.append(sample)
+        samples[i] = sample
+        tokens += len(sample.input_ids)
     if failed:
         log.warning("skipped %d records the chat template rejected (first: %s)", failed, first_failure)
     if untrained:
@@ -216,4 +298,7 @@ def _encode_all(cfg: DataConfigLike, tokenizer, records: ReadResult, max_length:
     if not samples:
         raise DataError(f"{records.sources[0].rsplit(':', 1)[0]}: no sample has a trained token "
                         f"(data.max_length={cfg.max_length})")
-    return samples
+    if max_tokens is not None:
+        log.info("data.max_tokens=%d: %d of %d conversations kept, %d tokens (a sample seeded by data.seed=%d)",
+                 max_tokens, len(samples), len(order), tokens, cfg.seed)
+    return [samples[i] for i in sorted(samples)], failed + untrained

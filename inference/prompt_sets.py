@@ -21,9 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from data.errors import UsageError
-
-DATA_ENV = "DRAFTSMITH_DATA"
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the repository
+from data.eval_sets import DATA_ENV, DEFAULT_DATA, data_root  # noqa: F401 - the folder is data's (decontamination)
 DEFAULT_QUESTIONS = DEFAULT_DATA / "mt_bench" / "question.jsonl"
 HUMANEVAL_TURN = "Complete the following Python function:\n```python\n{prompt}```"
 
@@ -103,12 +101,6 @@ PROMPT_SETS: dict[str, tuple[str, Callable[[Path], list[Question]]]] = {
     "gsm8k": ("gsm8k/test.jsonl", _gsm8k),
     "humaneval": ("humaneval/HumanEval.jsonl.gz", _humaneval),
 }
-
-
-def data_root() -> Path:
-    """$DRAFTSMITH_DATA, else ../shared/data beside the repository."""
-    value = os.environ.get(DATA_ENV)
-    return Path(value) if value else DEFAULT_DATA
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The cache of models draftsmith makes itself (built-in tiny models, converted GGUF checkpoints), and lookups in the
 Hugging Face hub's own local cache (`hub_snapshot`).
 
-Root: $DRAFTSMITH_CACHE, else platformdirs.user_cache_dir("draftsmith"). A directory is complete iff it holds
+Root: data.cache.cache_root() ($DRAFTSMITH_CACHE, else platformdirs.user_cache_dir("draftsmith")), re-exported here
+for the model builders; data/ fetches its wheels into the same cache. A directory is complete iff it holds
 COMPLETE_MARKER: it is written in a sibling temp dir and moved in with os.replace, so readers never see half a build.
 Builds of one name are serialised with a lock file beside it.
 """
@@ -16,16 +17,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from data.cache import cache_root  # noqa: F401 - re-exported: models.* and tools import it from here
+
 COMPLETE_MARKER = ".draftsmith-complete"
-
-
-def cache_root() -> Path:
-    env = os.environ.get("DRAFTSMITH_CACHE")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("draftsmith"))
 
 
 def is_complete(path: Path, format_version: int | None = None) -> bool:

@@ -80,6 +80,11 @@ class DataCfg:
     system_prompt: str | None = None
     text_field: str = "text"
     seed: int = 0
+    recover_truncated: bool = False
+    require_user_first: bool = False
+    dedupe: bool = False
+    decontaminate: bool = True
+    max_tokens: int | None = None
 
 
 SHAREGPT = DataCfg(name="sharegpt", format="sharegpt", path=str(FIXTURES / "sharegpt.json"), validation_fraction=0.0)
