@@ -28,10 +28,12 @@ from transformers import TrainerCallback, TrainingArguments, set_seed
 from data.chat import encode_prompt, first_user_turn
 from data.collate import ChatCollator
 from data.datasets import SplitDatasets, build_datasets, load_conversations
+from data.features import FeatureCollator, FeatureDataset, check_cache, read_prompts
 from inference.api import Engine
 from inference.drafters import NoDrafter
 from inference.self_distill import SelfDistillConfig, self_distill
 from models.checkpoint import CheckpointError, read_drafter_config
+from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
 from train.checks import check_values
 from train.config import RESUME_KEYS
@@ -470,6 +472,34 @@ def self_distilled_train(cfg: DictConfig, target: nn.Module, tokenizer, args: Tr
     return build_datasets(distilled, tokenizer).train
 
 
+@dataclass(frozen=True)
+class CachedData:
+    datasets: SplitDatasets
+    collator: FeatureCollator
+    prompts: list[list[int]]  # greedy-evaluation prompts stored with the cache
+
+
+def feature_cache(cfg: DictConfig, tokenizer: Any) -> CachedData:
+    """data.features: the train / validation samples of a feature cache made for this target and tokenizer (checked
+    from the files, before the target loads), with soft labels when the method mixes them in."""
+    folder = cfg.data.features
+    soft = cfg.method.get("soft_labels", 0) > 0
+    manifest = check_cache(
+        folder, target=target_fingerprint(cfg.model.path, cfg.model.trust_remote_code, cfg.model.revision),
+        tokenizer=tokenizer_fingerprint(tokenizer), need_topk=soft)
+    validation = FeatureDataset(folder, "validation", topk=soft) if manifest.samples.get("validation") else None
+    train = FeatureDataset(folder, "train", topk=soft)
+    if cfg.data.max_tokens is not None:
+        train = train.sample(cfg.data.max_tokens, cfg.data.seed)
+    log.info("data.features=%s: %s of its %s train tokens in %d samples (the cache's data recipe replaces data=%s)",
+             folder, f"{train.tokens:,}", f"{manifest.tokens['train']:,}", len(train), cfg.data.name)
+    return CachedData(
+        datasets=SplitDatasets(train=train, validation=validation),
+        collator=FeatureCollator(tokenizer.pad_token_id),
+        prompts=read_prompts(folder)[: cfg.eval.greedy_prompts],
+    )
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Hydra task: set up, train, evaluate, save. Returns the final metrics.
 
@@ -496,7 +526,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if isinstance(method, ChecksInputs):
         method.check_inputs(tokenizer)
     own_data = isinstance(method, ProvidesData)
-    datasets = method.datasets(tokenizer) if own_data else build_datasets(cfg.data, tokenizer)
+    cache = feature_cache(cfg, tokenizer) if cfg.data.features else None
+    if cache is not None:
+        datasets = cache.datasets
+    else:
+        datasets = method.datasets(tokenizer) if own_data else build_datasets(cfg.data, tokenizer)
     args = training_arguments(cfg, report_to, deepspeed)  # before the target: ZeRO-3 loads it partitioned
     target = load_target(
         cfg.model.path,
@@ -507,7 +541,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         trust_remote_code=cfg.model.trust_remote_code,
         revision=cfg.model.revision,
     )
-    if cfg.data.self_distill and not own_data:
+    if cfg.data.self_distill and not own_data and cache is None:
         datasets = SplitDatasets(
             train=self_distilled_train(cfg, target, tokenizer, args, output_dir / SELF_DISTILL_FILE),
             validation=datasets.validation,  # ground truth: the validation rows keep meaning "the data's answers"
@@ -533,10 +567,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
         args=args,
         train_dataset=datasets.train,
         eval_dataset=datasets.validation,
-        data_collator=method.collator(tokenizer) if own_data else ChatCollator(tokenizer.pad_token_id),
+        data_collator=(cache.collator if cache is not None else method.collator(tokenizer) if own_data
+                       else ChatCollator(tokenizer.pad_token_id)),
         processing_class=tokenizer,
         method=method,
-        prompts=prompt_ids(cfg, tokenizer),
+        prompts=cache.prompts if cache is not None else prompt_ids(cfg, tokenizer),
         extra=extra,
         on_nonfinite=cfg.training.on_nonfinite,
     )

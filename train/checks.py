@@ -20,6 +20,7 @@ def check_values(cfg: DictConfig) -> None:
     problem = schema.out_of_range(cfg)
     if problem:
         raise UsageError(problem)
+    check_features(cfg)
     check_self_distill(cfg)
     check_output_dir(cfg.output_dir)
 
@@ -34,6 +35,35 @@ def brings_own_data(method_name: str) -> bool:
     """Whether a model config's data recipe (+model=smollm2 selects data=instructions with self_distill on) is moot
     for the method, so its settings must not be refused for it."""
     return method_name in OWN_DATA_METHODS
+
+
+# Methods whose drafter trains from the target's stored features alone (data.features, a `features` cache).
+FEATURE_READERS = frozenset({"medusa1"})
+
+
+def check_features(cfg: DictConfig) -> None:
+    """The feature cache: `features` writes one from fixed text; a FEATURE_READERS method reads one (data.features)."""
+    reading = OmegaConf.select(cfg, "data.features")
+    self_distill = OmegaConf.select(cfg, "data.self_distill", default=False)
+    if cfg.method.name == "features":
+        if reading:
+            raise UsageError("data.features: the features method writes a cache to output_dir and reads none; "
+                             "drop data.features")
+        if self_distill:
+            raise UsageError("data.self_distill=true: the features method caches fixed text; pass "
+                             "data.self_distill=false (or a data recipe without it, e.g. data=sharegpt_v3)")
+        return
+    if not reading:
+        return
+    if cfg.method.name not in FEATURE_READERS:
+        raise UsageError(f"data.features: {cfg.method.name} trains from the target's own forward and reads no "
+                         f"feature cache (methods that do: {', '.join(sorted(FEATURE_READERS))})")
+    if self_distill:
+        raise UsageError("data.features with data.self_distill=true: the cache holds the text it was made from; "
+                         "pass data.self_distill=false (or data=sharegpt_v3)")
+    if not Path(reading).expanduser().is_dir():
+        raise UsageError(f"data.features={reading}: no such directory (make it with `python -m train features "
+                         f"+model=<name> data=<recipe> output_dir={reading}`)")
 
 
 def check_self_distill(cfg: DictConfig) -> None:

@@ -206,6 +206,21 @@ class StopperConfig:
 
 
 @dataclass
+class FeaturesConfig:
+    """The feature cache (train/features.py): a teacher-forced pass of the frozen target, written for drafter trainers."""
+
+    name: str = "features"
+    # extra hidden states to keep, numbered as transformers' hidden_states (0: embeddings, i: after decoder layer i);
+    # the last layer's post-norm state is always kept. EAGLE-3 drafters read a low, a middle and a high layer.
+    layers: list[int] = field(default_factory=list)
+    topk: int = 20  # soft labels: the target's k most likely next tokens per position (0: none)
+    dtype: Dtype = Dtype.bf16  # storage dtype of the hidden states (the forward runs in model.dtype)
+    batch_tokens: int = 8192  # padded tokens per forward (samples of similar length batched together)
+    shard_tokens: int = 131072  # tokens per shard file: the unit a killed run resumes from
+    prompts: int = 64  # validation prompts stored for trainers' greedy evaluation
+
+
+@dataclass
 class TrainConfig:
     method: Any = MISSING
     model: ModelConfig = MISSING
@@ -219,7 +234,7 @@ class TrainConfig:
 
 
 METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config, "cllm": CllmConfig, "distill": DistillConfig,
-                  "stopper": StopperConfig}
+                  "stopper": StopperConfig, "features": FeaturesConfig}
 
 
 @dataclass(frozen=True)
@@ -269,7 +284,7 @@ MAX_DRAFT_TOKENS = 32  # inference.draft_model.MAX_GAMMA (not imported: the sche
 RANGES: dict[type, dict[str, Range]] = {
     TrainConfig: {"seed": SEED},
     DataConfig: {"validation_fraction": FRACTION, "max_length": POSITIVE, "max_samples": POSITIVE, "seed": SEED,
-                 "self_distill_samples": POSITIVE, "self_distill_new_tokens": POSITIVE,
+                 "max_tokens": POSITIVE, "self_distill_samples": POSITIVE, "self_distill_new_tokens": POSITIVE,
                  "self_distill_batch_size": POSITIVE},
     TrainingConfig: {
         "per_device_train_batch_size": POSITIVE, "per_device_eval_batch_size": POSITIVE,
@@ -293,6 +308,7 @@ RANGES: dict[type, dict[str, Range]] = {
     DistillConfig: {"jsd_beta": Range(0, 1, low_open=True, high_open=True), "temperature": Range(0, low_open=True),
                     "on_policy_fraction": PROBABILITY, "max_new_tokens": POSITIVE,
                     "sample_temperature": Range(0, low_open=True)},
+    FeaturesConfig: {"topk": NATURAL, "batch_tokens": POSITIVE, "shard_tokens": POSITIVE, "prompts": NATURAL},
     StopperConfig: {"max_gamma": Range(2, MAX_DRAFT_TOKENS), "prompts": Range(2),
                     "validation_fraction": Range(0, 1, low_open=True, high_open=True), "max_new_tokens": POSITIVE,
                     "batch_size": POSITIVE, "temperature": NATURAL, "hidden": NATURAL, "calibration_prompts": POSITIVE,
@@ -310,6 +326,7 @@ RESUME_KEYS: dict[str, tuple[str, ...]] = {
     "cllm": ("method.name", "model.path", *_LORA_KEYS),
     "distill": ("method.name", "model.path", "method.draft"),
     "stopper": (),  # fits in one go, never resumes
+    "features": (),  # resumes by shard, checked against its manifest (train/features.py)
 }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from omegaconf import DictConfig
@@ -52,6 +52,11 @@ class MedusaTrainModule(nn.Module):
         return final_hidden(self.target, input_ids, attention_mask).to(next(self.heads.parameters()).dtype)
 
 
+SoftLabels = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(b [n], t [n]) -> [n, V|S] probabilities: the target's distribution for token t + 1 of row b, over the heads'
+vocabulary."""
+
+
 def medusa_loss(
     heads: MedusaHeads,
     hidden: torch.Tensor,
@@ -60,16 +65,19 @@ def medusa_loss(
     lm_head: nn.Module | None = None,
     soft_weight: float = 0.0,
     base_lm_head: nn.Module | None = None,
+    soft: SoftLabels | None = None,
 ) -> StepOutput:
     """Σ_k λ^k · CE_k over positions whose head-k target is a trained token (inside the draft vocabulary, if any).
 
     hidden [B, T, D], labels [B, T] unshifted (-100 = untrained). Only positions where some head has a target are
     projected onto the vocabulary, so padding and prompt tokens cost nothing. `lm_head`: the base lm_head the heads
-    share (share_lm_head heads only). soft_weight w > 0 mixes in the soft-label term (module docstring); it needs
-    `base_lm_head`, the frozen target's.
+    share (share_lm_head heads only). soft_weight w > 0 mixes in the soft-label term (module docstring), read from
+    `soft` (a feature cache's, `CachedSoftLabels`) or, without it, computed from `base_lm_head`, the frozen target's.
     """
-    if soft_weight > 0 and base_lm_head is None:
-        raise ValueError("medusa_loss: soft_weight > 0 needs base_lm_head (the target's soft labels)")
+    if soft_weight > 0 and soft is None:
+        if base_lm_head is None:
+            raise ValueError("medusa_loss: soft_weight > 0 needs base_lm_head or soft (the target's soft labels)")
+        soft = lambda b, t: soft_labels(heads, hidden[b, t], base_lm_head)  # noqa: E731
     K = heads.config.num_heads
     full = torch.stack([head_targets(labels, k) for k in range(1, K + 1)])  # [K, B, T] full token ids
     targets = heads.draft_targets(full)  # [K, B, T] indices into the heads' logits; outside a draft vocabulary: -100
@@ -89,8 +97,7 @@ def medusa_loss(
             metrics[f"head{k + 1}_loss"] = ce.detach()
             if soft_weight > 0:
                 b, t = batch_pos[valid].unbind(-1)  # head k+1 at t predicts x_{t+k+2}, as the target does at t+k+1
-                soft = soft_labels(heads, hidden[b, t + k + 1], base_lm_head)  # [n, V|S]
-                soft_ce = F.cross_entropy(logits[valid], soft)
+                soft_ce = F.cross_entropy(logits[valid], soft(b, t + k + 1))  # target [n, V|S]
                 metrics[f"head{k + 1}_soft_loss"] = soft_ce.detach()
                 ce = (1 - soft_weight) * ce + soft_weight * soft_ce
             loss = loss + decay ** (k + 1) * ce
@@ -103,6 +110,25 @@ def soft_labels(heads: MedusaHeads, hidden: torch.Tensor, base_lm_head: nn.Modul
     """The frozen target's next-token distribution over the heads' vocabulary: [n, D] -> [n, V|S] probabilities
     (fp32; renormalised over the S draft-vocabulary tokens when the heads have one)."""
     return heads.base_logits(hidden, base_lm_head).float().softmax(-1)
+
+
+class CachedSoftLabels:
+    """Soft labels from a feature cache (data/features.py): the target's top-k next-token probabilities [B, T, k] and
+    their ids, as a dense distribution over the heads' vocabulary. Ids outside a draft vocabulary are dropped and the
+    rest renormalised, as `soft_labels` renormalises over the draft vocabulary; with k = V the two are equal. The
+    mass beyond the top k is not spread (it is what the cache's topk_rest records)."""
+
+    def __init__(self, heads: MedusaHeads, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> None:
+        self.index = heads.draft_targets(topk_ids, missing=-1)  # [B, T, k] into the heads' logits; -1: outside
+        self.probs = topk_probs
+        self.width = heads.config.out_size
+
+    def __call__(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        index, probs = self.index[b, t], self.probs[b, t].float()  # [n, k] each
+        inside = index >= 0
+        dense = probs.new_zeros(len(b), self.width)  # [n, V|S]
+        dense.scatter_add_(1, index.clamp_min(0), torch.where(inside, probs, torch.zeros_like(probs)))
+        return dense / dense.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
 def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
@@ -180,11 +206,19 @@ class Method:
 
     def forward_loss(self, model: MedusaTrainModule, batch: dict[str, torch.Tensor]) -> StepOutput:
         model.target.eval()  # Trainer calls model.train(); the frozen backbone keeps eval semantics (no dropout)
-        hidden = model.hidden(batch["input_ids"], batch["attention_mask"])
+        hidden = self._hidden(model, batch)
         base = model.lm_head()
         shared = base if model.heads.config.share_lm_head else None
+        soft = CachedSoftLabels(model.heads, batch["topk_ids"], batch["topk_probs"]) if "topk_ids" in batch else None
         return medusa_loss(model.heads, hidden, batch["labels"], self.m.decay, shared,
-                           soft_weight=self.m.soft_labels, base_lm_head=base)
+                           soft_weight=self.m.soft_labels, base_lm_head=base, soft=soft)
+
+    @staticmethod
+    def _hidden(model: MedusaTrainModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T, D] in the heads' dtype: a feature cache's stored states (data.features), else the frozen target's."""
+        if "hidden" in batch:
+            return batch["hidden"].to(next(model.heads.parameters()).dtype)
+        return model.hidden(batch["input_ids"], batch["attention_mask"])
 
     @torch.no_grad()
     def evaluate(self, model: MedusaTrainModule, batches: Iterable, tokenizer: Any, prompts: list[list[int]]) -> dict[str, float]:
@@ -195,7 +229,7 @@ class Method:
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            self._score(model, batch["input_ids"], batch["attention_mask"], batch["labels"], counter, "")
+            self._score(model, batch, counter, "")
         metrics = counter.result()
         if prompts:
             log.info("evaluation: heads on the target's greedy continuations of %d prompts", len(prompts))
@@ -203,14 +237,17 @@ class Method:
             for input_ids, attention_mask, labels in greedy_continuations(
                 model.target, prompts, self.cfg.eval.greedy_new_tokens, tokenizer, self.cfg.training.per_device_eval_batch_size
             ):
-                self._score(model, input_ids, attention_mask, labels, greedy, "greedy_", backbone=False)
+                batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+                self._score(model, batch, greedy, "greedy_", backbone=False)
             metrics.update(greedy.result())
         return metrics
 
-    def _score(self, model, input_ids, attention_mask, labels, counter: AccuracyCounter, prefix: str, backbone: bool = True) -> None:
+    def _score(self, model, batch: dict[str, torch.Tensor], counter: AccuracyCounter, prefix: str,
+               backbone: bool = True) -> None:
         device = next(model.heads.parameters()).device
-        input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
-        hidden = model.hidden(input_ids, attention_mask)  # [B, T, D]
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels = batch["labels"]
+        hidden = self._hidden(model, batch)  # [B, T, D]
         lm_head = model.lm_head()
         if backbone:
             base_logits = lm_head(hidden.to(lm_head.weight.dtype) if lm_head.weight.is_floating_point() else hidden)

@@ -1,0 +1,253 @@
+"""The feature cache (`python -m train features`, data/features.py) and Medusa-1 trained from it (data.features).
+
+Equivalences: the cached hidden states equal the target's own forward; a batch read from an fp32 cache with k = V soft
+labels gives the online Medusa loss (values and gradients, 1e-5), with and without a draft vocabulary; two ranks write
+the same cache as one process. Then the contract around it: resume at the first missing shard, refusal of another
+target / layer set, the disk check, the planner's bounds.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from data.features import FeatureCacheError, FeatureCollator, FeatureDataset, Manifest, check_cache
+from models.backbone import final_hidden
+from models.loading import load_target
+from models.medusa import MedusaConfig, MedusaHeads
+from tests.model_support import save_tiny_model
+from train.features import check_disk, plan_shards
+from train.medusa1 import CachedSoftLabels, medusa_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "llama", initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "other", seed=1)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(0)
+    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": pick(3 + i % 5)},
+                                                 {"from": "gpt", "value": pick(6 + i % 9)}]} for i in range(32)]
+    path = tmp_path_factory.mktemp("data") / "chats.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def run(cmd: list[str], expect_ok: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    if expect_ok:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def extract(model_dir: Path, data: Path, out: Path, *overrides: str, launcher: tuple[str, ...] = (sys.executable, "-m", "train"),
+            expect_ok: bool = True) -> subprocess.CompletedProcess:
+    return run([*launcher, "features", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32", "data=sharegpt",
+                "data.self_distill=false", f"data.path={data}", "data.validation_fraction=0.25", "method.dtype=fp32",
+                "method.shard_tokens=200", "method.batch_tokens=160", "logger=none", f"output_dir={out}", *overrides],
+               expect_ok)
+
+
+@pytest.fixture(scope="module")
+def full_cache(model_dir, data_file, tmp_path_factory) -> Path:
+    """fp32 states, the whole vocabulary as soft labels (k = V), one extra layer."""
+    out = tmp_path_factory.mktemp("cache") / "full"
+    extract(model_dir, data_file, out, "method.topk=400", "method.layers=[1]")
+    return out
+
+
+def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    shards = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            shards[path.name] = {k: f.get_tensor(k) for k in f.keys()}
+    return shards
+
+
+def test_manifest_counts_every_sample_and_token(full_cache):
+    manifest = check_cache(full_cache, need_layers=[1], need_topk=True)
+    assert manifest.complete and manifest.topk == 400 and manifest.layers == [1]
+    for split in ("train", "validation"):
+        dataset = FeatureDataset(full_cache, split)
+        assert len(dataset) == manifest.samples[split]
+        assert sum(len(dataset[i]["input_ids"]) for i in range(len(dataset))) == manifest.tokens[split]
+        assert sum(int((labels != -100).sum()) for labels in dataset.labels()) == manifest.trained_tokens[split]
+    on_disk = sum(p.stat().st_size for p in full_cache.glob("*.safetensors"))
+    assert on_disk >= sum(manifest.tokens.values()) * manifest.bytes_per_token()
+
+
+def test_cached_states_equal_the_targets_forward(full_cache, model_dir):
+    target = load_target(str(model_dir), dtype="fp32")
+    dataset = FeatureDataset(full_cache, "train", layers=[1], topk=True)
+    for i in range(0, len(dataset), 5):
+        item = dataset[i]
+        ids = item["input_ids"][None]
+        out = target(input_ids=ids, output_hidden_states=True)
+        torch.testing.assert_close(item["hidden"], final_hidden(target, ids)[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(item["layer_1"], out.hidden_states[1][0], rtol=0, atol=1e-5)
+        probs = out.logits[0].float().softmax(-1)  # [T, V]
+        trained_next = torch.zeros(len(ids[0]), dtype=torch.bool)
+        trained_next[:-1] = item["labels"][1:] != -100
+        dense = torch.zeros_like(probs).scatter_(1, item["topk_ids"], item["topk_probs"])
+        torch.testing.assert_close(dense[trained_next], probs[trained_next], rtol=0, atol=1e-6)
+        assert not dense[~trained_next].any()  # soft labels only where a loss reads them
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 60])
+def test_loss_from_the_cache_equals_the_online_loss(full_cache, model_dir, draft_vocab):
+    target = load_target(str(model_dir), dtype="fp32")
+    lm_head = target.get_output_embeddings()
+    dataset = FeatureDataset(full_cache, "train", topk=True)
+    batch = FeatureCollator(pad_token_id=0)([dataset[i] for i in range(6)])
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=400,
+                                     draft_vocab_size=draft_vocab))
+    if draft_vocab:
+        heads.set_draft_vocab(torch.randperm(400)[:draft_vocab])
+    heads.init_from_base(lm_head)
+    for p in heads.parameters():  # a trained-looking head, not the identity
+        p.data.add_(0.05 * torch.randn_like(p))
+    online_hidden = final_hidden(target, batch["input_ids"], batch["attention_mask"])
+    for weight in (0.0, 0.5, 1.0):
+        online = medusa_loss(heads, online_hidden, batch["labels"], 0.8, soft_weight=weight, base_lm_head=lm_head)
+        grads_online = torch.autograd.grad(online.loss, list(heads.parameters()))
+        cached = medusa_loss(heads, batch["hidden"], batch["labels"], 0.8, soft_weight=weight,
+                             soft=CachedSoftLabels(heads, batch["topk_ids"], batch["topk_probs"]))
+        grads_cached = torch.autograd.grad(cached.loss, list(heads.parameters()))
+        torch.testing.assert_close(cached.loss, online.loss, rtol=0, atol=1e-5)
+        for a, b in zip(grads_cached, grads_online):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_rerun_resumes_at_the_first_missing_shard(model_dir, data_file, tmp_path):
+    out = tmp_path / "cache"
+    extract(model_dir, data_file, out)
+    shards = sorted(out.glob("train-*.safetensors"))
+    assert len(shards) >= 3
+    before = shard_tensors(out)
+    kept = {p.name: p.stat().st_mtime_ns for p in shards[:-2]}
+    for p in shards[-2:]:
+        p.unlink()
+    (out / ".train-00000.safetensors.tmp-123").write_bytes(b"torn")  # a killed write
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(FeatureCacheError, match="incomplete"):
+        check_cache(out)
+    result = extract(model_dir, data_file, out)
+    assert {p.name: p.stat().st_mtime_ns for p in shards[:-2]} == kept  # finished shards are not redone
+    assert not list(out.glob(".*tmp-*"))
+    after = shard_tensors(out)
+    assert after.keys() == before.keys()
+    for name in before:
+        for key in before[name]:
+            assert torch.equal(after[name][key], before[name][key]), (name, key)
+    assert check_cache(out).complete
+    again = extract(model_dir, data_file, out)
+    assert "nothing to do" in again.stdout + again.stderr
+    assert result.returncode == 0
+
+
+def test_a_cache_for_another_layer_set_or_target_is_refused(model_dir, other_model_dir, data_file, full_cache, tmp_path):
+    result = extract(model_dir, data_file, full_cache, "method.topk=400", "method.layers=[2]", expect_ok=False)
+    assert result.returncode == 1
+    assert "features.layers=[1], this run asks for [2]" in result.stderr.strip().splitlines()[-1]
+    result = run([sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={other_model_dir}",
+                  "model.dtype=fp32", "data=sharegpt", "data.self_distill=false", f"data.features={full_cache}",
+                  "logger=none", f"output_dir={tmp_path / 'heads'}"], expect_ok=False)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.features=") and "another target" in last
+    assert "Loading weights" not in result.stderr  # refused from the files, before the target loads
+    with pytest.raises(FeatureCacheError, match="layers"):
+        check_cache(full_cache, need_layers=[0])
+
+
+def test_medusa1_trains_from_the_cache(model_dir, data_file, full_cache, tmp_path):
+    out = tmp_path / "heads"
+    run([sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
+         "data=sharegpt", "data.self_distill=false", f"data.features={full_cache}", "training.max_steps=3",
+         "training.per_device_train_batch_size=4", "method.num_heads=2", "method.soft_labels=0.5",
+         "method.draft_vocab=50", "eval.greedy_prompts=2", "eval.greedy_new_tokens=4", "logger=none",
+         f"output_dir={out}"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["training"]["global_step"] == 3
+    assert "eval_greedy_head1_top1" in config["training"]["metrics"]
+
+
+def test_bad_feature_settings_are_one_line(model_dir, data_file, tmp_path):
+    base = [sys.executable, "-m", "train", "medusa2", "+model=tiny", f"model.path={model_dir}", "data=sharegpt",
+            "data.self_distill=false", f"data.features={tmp_path}", "logger=none", f"output_dir={tmp_path / 'x'}"]
+    result = run(base, expect_ok=False)
+    assert result.returncode == 2 and "medusa2 trains from the target's own forward" in result.stderr
+    base[3] = "medusa1"
+    base[base.index(f"data.features={tmp_path}")] = f"data.features={tmp_path / 'missing'}"
+    result = run(base, expect_ok=False)
+    assert result.returncode == 2 and "no such directory" in result.stderr
+    result = extract(model_dir, data_file, tmp_path / "c", "data.self_distill=true", expect_ok=False)
+    assert result.returncode == 2 and "data.self_distill=true" in result.stderr
+    result = extract(model_dir, data_file, tmp_path / "c", "method.layers=[9]", expect_ok=False)
+    assert result.returncode == 1 and "method.layers=[9]" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_disk_check_refuses_before_extraction(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 90, 10))
+    with pytest.raises(Exception, match="needs 11 B and only 10 B are free"):
+        check_disk(tmp_path, 11)
+    check_disk(tmp_path, 10)
+
+
+def test_shard_plan_covers_every_sample_once_within_the_batch_budget():
+    lengths = [5, 40, 7, 7, 300, 12, 3, 90, 64, 64, 1]
+    plans = plan_shards("train", lengths, batch_tokens=128, shard_tokens=150)
+    samples = [i for p in plans for b in p.batches for i in b.samples]
+    assert sorted(samples) == list(range(len(lengths)))
+    for p in plans:
+        for b in p.batches:
+            width = max(lengths[i] for i in b.samples)
+            assert width * len(b.samples) <= 128 or len(b.samples) == 1
+            assert b.tokens == sum(lengths[i] for i in b.samples)
+    assert [p.index for p in plans] == list(range(len(plans)))
+    assert plans == plan_shards("train", lengths, batch_tokens=128, shard_tokens=150)
+
+
+@pytest.mark.distributed
+def test_two_ranks_write_the_cache_one_process_writes(model_dir, data_file, full_cache, tmp_path):
+    out = tmp_path / "two"
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                "-m", "train")
+    extract(model_dir, data_file, out, "method.topk=400", "method.layers=[1]", launcher=launcher)
+    assert Manifest.read(out).complete
+    one, two = shard_tensors(full_cache), shard_tensors(out)
+    assert one.keys() == two.keys()
+    for name in one:
+        for key in one[name]:
+            torch.testing.assert_close(two[name][key], one[name][key], rtol=0, atol=1e-6, msg=f"{name}:{key}")
