@@ -251,3 +251,28 @@ def test_two_ranks_write_the_cache_one_process_writes(model_dir, data_file, full
     for name in one:
         for key in one[name]:
             torch.testing.assert_close(two[name][key], one[name][key], rtol=0, atol=1e-6, msg=f"{name}:{key}")
+
+
+@pytest.mark.parametrize("method, experiment", [("features", "sharegpt_features"), ("medusa1", "sharegpt_medusa1")])
+def test_the_sharegpt_recipes_compose_over_a_models_data_recipe(method, experiment, tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from train.cli import check_overrides, register_configs
+
+    register_configs()
+    overrides = [f"method={method}", "+model=smollm2", f"+experiment={experiment}", f"output_dir={tmp_path / 'out'}"]
+    if method == "medusa1":
+        overrides.append(f"data.features={tmp_path}")
+    check_overrides(overrides)
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    assert cfg.data.name == "sharegpt_v3" and not cfg.data.self_distill  # the experiment wins over smollm2's recipe
+
+
+def test_an_unknown_experiment_is_one_line(tmp_path):
+    from train.cli import check_overrides, register_configs
+    from data.errors import UsageError
+
+    register_configs()
+    with pytest.raises(UsageError, match=r"^unknown experiment 'nope'; available: sharegpt_features, sharegpt_medusa1"):
+        check_overrides(["method=medusa1", "+model=tiny", "+experiment=nope", f"output_dir={tmp_path}"])

@@ -411,6 +411,7 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=False,
         deepspeed=deepspeed,
+        include_num_input_tokens_seen="non_padding",  # training tokens/s in the log and the checkpoint's config
         **passthrough,
     )
     if deepspeed is not None:
@@ -470,6 +471,20 @@ def self_distilled_train(cfg: DictConfig, target: nn.Module, tokenizer, args: Tr
     distilled = OmegaConf.merge(d, {"format": "sharegpt", "path": str(path), "validation_path": None,
                                     "validation_fraction": 0.0, "system_prompt": None, "self_distill": False})
     return build_datasets(distilled, tokenizer).train
+
+
+def throughput(train_metrics: dict[str, float], state: Any) -> dict[str, float]:
+    """This process's training figures: optimizer steps, non-padding input tokens, seconds, tokens/s, seconds a step
+    and the peak resident memory so far (GB; ru_maxrss is in KiB on Linux). A resumed run counts its own steps."""
+    import resource
+
+    seconds = float(train_metrics.get("train_runtime", 0.0))
+    steps = int(state.global_step)
+    tokens = int(state.num_input_tokens_seen)
+    return {"steps": steps, "tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds else 0.0,
+            "seconds_per_step": seconds / steps if steps else 0.0,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 @dataclass(frozen=True)
@@ -582,7 +597,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         trainer.add_callback(TrimHeap(libc))
     if resume:
         log.info("resuming from %s", resume)
-    trainer.train(resume_from_checkpoint=resume)
+    trained = trainer.train(resume_from_checkpoint=resume)
+    extra["throughput"] = throughput(trained.metrics, trainer.state)
+    log.info("training: %(steps)d steps, %(tokens)d tokens in %(seconds).0f s: %(tokens_per_second).0f tokens/s, "
+             "%(seconds_per_step).2f s a step, peak resident memory %(peak_rss_gb).2f GB", extra["throughput"])
     metrics = trainer.evaluate() if n_val else {}
     extra["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, float)}
     trainer.save_drafter(output_dir, {**extra, "global_step": trainer.state.global_step})

@@ -33,6 +33,9 @@ from train.config import register_configs
 CONFIG_MODULE = "conf"
 CONFIG_NAME = "train"
 USAGE = "usage: python -m train <method> +model=<name> [key=value ...]"
+# Config groups outside the primary config's defaults, added with "+<group>=<name>" after +model (so their overrides
+# win over the model's data recipe): conf/experiment/<name>.yaml holds a whole recipe (model x method x data).
+APPENDED_GROUPS = frozenset({"experiment"})
 _LOCAL_RANK = re.compile(r"^--local[_-]rank=(\d+)$")
 # OSErrors of the storage (not of the program): reported as one line naming the file.
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOTDIR)
@@ -90,7 +93,7 @@ def check_overrides(plain: list[str]) -> None:
         raise UsageError(f"incomplete config: {_one_line(e)}") from None
     for override in plain:  # "+key=value" adds a key even to a structured node: only schema keys may be added
         key = override.lstrip("+").partition("=")[0]
-        if override.startswith("+") and not _has_field(cfg, key):
+        if override.startswith("+") and key not in APPENDED_GROUPS and not _has_field(cfg, key):
             raise UsageError(unknown_key_message(key, _schema_of(cfg, key).__name__))
     check_values(cfg)
 
@@ -99,7 +102,7 @@ def missing_option_message(e: MissingConfigException) -> str | None:
     """"unknown <group> '<name>'; available: ..." from the exception's missing_cfg_file ("model/gpt5"), else None
     (e.g. a missing primary config)."""
     group, _, name = (e.missing_cfg_file or "").partition("/")
-    if not name or group not in ("model", "method", "data", "logger", "deepspeed"):
+    if not name or group not in ("model", "method", "data", "logger", "deepspeed", "experiment"):
         return None
     return f"unknown {group} '{name}'; available: {', '.join(available(group))}"  # not e.options: lists *_schema
 

@@ -6,7 +6,8 @@ Loss (Medusa paper, Eq. 1, with the decay weights of the reference implementatio
 labels only): p_{t+k} = softmax(lm_head(h_{t+k})) is the frozen target's own next-token distribution at t+k, read off
 the same forward pass (no generation), restricted to the heads' vocabulary. It is the self-distillation target of
 Medusa §2.3.3 without the generated answers: head k learns what the target would say at t+k+1, with its second
-choices, on any text.
+choices, on any text. With data.features (a cache from `python -m train features`) the hidden states h and the
+target's top-k distribution p come from the cache (`CachedSoftLabels`), and no target forward runs while training.
 Dimension letters: B batch, T time, K heads, N selected positions, D hidden, V vocab.
 """
 

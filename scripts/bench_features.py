@@ -1,0 +1,105 @@
+"""What a token of training data costs: the feature cache's teacher-forced pass against self-distillation's generation.
+
+Both on the same conversations of a data recipe, with the same target, in one run, alternating rounds:
+  features      train.features.forward_features over length-bucketed batches of whole conversations (what
+                `python -m train features` runs per batch): tokens/s of conversation tokens
+  self-distill  the engine's batched greedy generation of the first assistant turn (what data.self_distill runs,
+                inference.self_distill): tokens/s of generated tokens
+The ratio is what makes a large cache cheap: a token of features costs 1/ratio of a generated one.
+
+    python scripts/bench_features.py --base smollm2 --data sharegpt_v3 [--dtype fp32] [--conversations 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.collate import ChatCollator  # noqa: E402
+from data.config import load_data_config  # noqa: E402
+from data.chat import encode_chat  # noqa: E402
+from data.datasets import load_conversations  # noqa: E402
+from inference.api import Engine  # noqa: E402
+from inference.drafters import NoDrafter  # noqa: E402
+from inference.self_distill import SelfDistillConfig, self_distill  # noqa: E402
+from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
+from train.features import LayerTaps, forward_features, plan_shards  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="smollm2", help="conf/model name, builtin:<name>, directory or hub id")
+    parser.add_argument("--data", default="sharegpt_v3", help="conf/data recipe")
+    parser.add_argument("--dtype", default=None, help="bf16 | fp32 (default: the model config's)")
+    parser.add_argument("--conversations", type=int, default=48, help="conversations per method and round")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="features: padded tokens per forward")
+    parser.add_argument("--max-length", type=int, default=1024, help="features: tokens per conversation (cut)")
+    parser.add_argument("--topk", type=int, default=20)
+    parser.add_argument("--new-tokens", type=int, default=128, help="self-distill: tokens per answer")
+    parser.add_argument("--batch-size", type=int, default=16, help="self-distill: answers per batch")
+    parser.add_argument("--rounds", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    settings = model_settings(args.base)
+    dtype = args.dtype or settings["dtype"] or "fp32"
+    data = load_data_config(args.data, {"max_length": args.max_length, "self_distill": False})
+    tokenizer = load_tokenizer(settings["path"], settings["chat_template"])
+    conversations = load_conversations(data, "train")[: args.conversations * args.rounds]
+    if len(conversations) < args.conversations * args.rounds:
+        raise SystemExit(f"error: --data {args.data} has {len(conversations)} train conversations; "
+                         f"--conversations x --rounds needs {args.conversations * args.rounds}")
+    encoded = [encode_chat(tokenizer, c, args.max_length, settings["chat_template"]) for c in conversations]
+    train = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
+    target = load_target(settings["path"], dtype=dtype)
+    print(f"{args.base} ({dtype}), {torch.get_num_threads()} threads; {args.conversations} conversations a round",
+          file=sys.stderr, flush=True)
+    taps = LayerTaps(target, [])
+    collate = ChatCollator(tokenizer.pad_token_id)
+    rates: dict[str, list[float]] = {"features": [], "self-distill": []}
+    for r in range(args.rounds):
+        pick = range(r * args.conversations, (r + 1) * args.conversations)
+        samples = [train[i] for i in pick]
+        plan = plan_shards("train", [len(s["input_ids"]) for s in samples], args.batch_tokens, sys.maxsize)[0]
+        start, tokens = time.perf_counter(), 0
+        for batch in plan.batches:
+            forward_features(target, collate([samples[i] for i in batch.samples]), taps, args.topk)
+            tokens += batch.tokens
+        rates["features"].append(tokens / (time.perf_counter() - start))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "answers.jsonl"
+            config = SelfDistillConfig(max_new_tokens=args.new_tokens, batch_size=args.batch_size, max_turns=1,
+                                       chat_template=settings["chat_template"])
+            start = time.perf_counter()
+            stats = self_distill(Engine(target, NoDrafter()), tokenizer,
+                                 [(f"c{i}", conversations[i]) for i in pick], out, config)
+            seconds = time.perf_counter() - start
+            generated = sum(len(tokenizer(line).input_ids) for line in _answers(out))
+        rates["self-distill"].append(generated / seconds)
+        print(f"round {r + 1}: features {rates['features'][-1]:,.0f} tok/s ({tokens:,} tokens), self-distill "
+              f"{rates['self-distill'][-1]:,.1f} tok/s ({generated:,} tokens, {stats.written} answers)",
+              file=sys.stderr, flush=True)
+    f, g = statistics.median(rates["features"]), statistics.median(rates["self-distill"])
+    print(f"features {f:,.0f} tok/s, self-distill {g:,.1f} tok/s (medians of {args.rounds}): a cached token costs "
+          f"1/{f / g:.1f} of a generated one")
+
+
+def _answers(path: Path) -> list[str]:
+    import json
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row["conversations"][-1]["value"] for row in rows]
+
+
+if __name__ == "__main__":
+    main()
