@@ -88,3 +88,23 @@ class DataCfg:
 
 
 SHAREGPT = DataCfg(name="sharegpt", format="sharegpt", path=str(FIXTURES / "sharegpt.json"), validation_fraction=0.0)
+
+
+def pretend_installed(monkeypatch, package: str, location: Path | None) -> None:
+    """Make importlib.util.find_spec see `package` installed at `location` (None: not installed); every other module
+    resolves as usual (transformers finds its optional dependencies this way)."""
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name != package:
+            return real(name, *args, **kwargs)
+        if location is None:
+            return None
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(location)]
+        return spec
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)

