@@ -133,7 +133,7 @@ def forward_features(model: nn.Module, batch: dict[str, torch.Tensor], taps: Lay
         next_trained = torch.zeros_like(real)
         next_trained[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # [B, T]: the soft label at t is read for token t + 1
         need = next_trained[real]  # [N]
-        rows = out.last_hidden_state[real][need]  # [n, D]
+        rows = features["hidden"][need]  # [n, D]
         ids_k = torch.zeros(len(need), topk, dtype=torch.int32, device=rows.device)
         probs_k = torch.zeros(len(need), topk, dtype=torch.float32, device=rows.device)
         rest = torch.zeros(len(need), dtype=torch.float32, device=rows.device)
@@ -246,8 +246,7 @@ class Method:
             shards={name: len(p) for name, p in plans.items()},
             samples={name: len(ds) for name, ds in splits.items()},
             tokens={name: sum(p.tokens for p in ps) for name, ps in plans.items()},
-            trained_tokens={name: sum(int((torch.as_tensor(ds[i]["labels"]) != IGNORE_INDEX).sum())
-                                      for i in range(len(ds))) for name, ds in splits.items()},
+            trained_tokens={name: getattr(datasets.report, name).trained_tokens for name in splits},
         )
         existing = folder / "manifest.json"
         if existing.is_file():
