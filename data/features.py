@@ -11,7 +11,8 @@ Layout of DIR:
 Tensors of a shard (`SHARD_KEYS`):
     input_ids [N] int32; loss_mask [N] uint8 (token t is a trained label: an assistant token); offsets [n + 1] int64
     hidden [N, D]                 the last layer's post-norm hidden state (what lm_head sees), in the cache dtype
-    layer_<i> [N, D]              transformers' hidden_states[i] (0: embeddings, i: after decoder layer i, pre-norm)
+    layer_<i> [N, D]              transformers' hidden_states[i] (0: embeddings, i: after decoder layer i; the last
+                                  index, i = num_hidden_layers, is after the final norm, as transformers has it)
     topk_ids [N, k] int32, topk_probs [N, k] fp32, topk_rest [N] fp32   (k > 0 only)
                                   the target's next-token distribution at t (for token t + 1): its k most likely ids,
                                   their probabilities, and the mass left over. Computed where token t + 1 is trained

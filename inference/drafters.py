@@ -48,9 +48,15 @@ class DecodeState:
     sampling: SamplingParams = SamplingParams()  # how the target samples; sampling drafters process logits alike
     generator: torch.Generator | None = None  # the run's random source, shared by drafters that sample
     drafter_state: Any = None  # a drafter's own per-run state (e.g. a draft model's KV cache); None before its first propose
+    # [B, T | K, L*D] the hidden states a feature drafter reads (`feature_layers`), concatenated, at every position of
+    # the last target forward: the prompt after prefill, then every tree node of the step; None for other drafters
+    features: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
+    """Optionally also `feature_layers: tuple[int, ...]`: target hidden_states indices the loop keeps in
+    `state.features` (a feature drafter, EAGLE-3); absent means none."""
+
     needs_hidden: bool  # whether `state.hidden` must be filled (costs nothing extra: the forward computes it)
 
     def propose(self, state: DecodeState) -> Draft: ...

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -130,17 +130,30 @@ class _Clock:
         self.totals[phase] += time.perf_counter() - start
 
 
+def hidden_request(needs_hidden: bool, layers: tuple[int, ...]) -> dict[str, list[int]]:
+    """The forward's `output_hidden_states` for what a drafter reads: the final-norm state (index -1) and/or the
+    `layers` it fuses (transformers' hidden_states numbering); only those are kept."""
+    wanted = [*layers, *([-1] if needs_hidden else [])]
+    return {"output_hidden_states": wanted} if wanted else {}
+
+
+def layer_features(out: Any, layers: tuple[int, ...]) -> torch.Tensor | None:
+    """[B, Q, L*D]: the requested hidden states of a forward's output, concatenated in `layers` order."""
+    return torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
+
+
 def prefill(
     model: torch.nn.Module, input_ids: torch.Tensor, pad_mask: torch.Tensor, config: DecodeConfig,
-    needs_hidden: bool, generator: torch.Generator | None,
+    needs_hidden: bool, generator: torch.Generator | None, layers: tuple[int, ...] = (),
 ) -> DecodeState:
-    """Run the prompt [B, T] through the target; the first committed token becomes the root."""
+    """Run the prompt [B, T] through the target; the first committed token becomes the root. `layers`: the hidden
+    states a feature drafter reads, kept for every prompt position in `state.features`."""
     dtype = model.get_input_embeddings().weight.dtype
     mask, positions = prefill_inputs(pad_mask, dtype)
     cache = new_cache()
     out = model(
         input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-        logits_to_keep=1, **({"output_hidden_states": -1} if needs_hidden else {}),
+        logits_to_keep=1, **hidden_request(needs_hidden, layers),
     )
     last = out.logits[:, -1]  # [B, V]
     root = next_token(last.to(verify_device(last, config, generator)), config.sampling, generator)  # [B]
@@ -154,20 +167,24 @@ def prefill(
         generated=[[t] for t in root.tolist()],
         sampling=config.sampling,
         generator=generator,
+        features=layer_features(out, layers),
     )
 
 
 def forward_tree(
-    model: torch.nn.Module, state: DecodeState, draft: Draft, needs_hidden: bool
+    model: torch.nn.Module, state: DecodeState, draft: Draft, needs_hidden: bool, layers: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One target forward over the tree: logits [B, K, V] and, when asked, final-norm hidden states [B, K, D].
-    Appends K slots to the cache."""
+    Appends K slots to the cache. With `layers`, `state.features` becomes those layers at every node [B, K, L*D]
+    (the same forward: no second target pass)."""
     dtype = model.get_input_embeddings().weight.dtype
     mask, positions = tree_inputs(draft.tree, state.valid, state.next_pos, dtype)
     out = model(
         input_ids=draft.tokens, attention_mask=mask, position_ids=positions, cache=state.cache, use_cache=True,
-        **({"output_hidden_states": -1} if needs_hidden else {}),
+        **hidden_request(needs_hidden, layers),
     )
+    if layers:
+        state.features = layer_features(out, layers)
     return out.logits, (out.hidden_states[-1] if needs_hidden else None)
 
 
@@ -277,6 +294,11 @@ def generate(
         return _generate(model, input_ids, pad_mask, drafter, config, stream, generator)
 
 
+def feature_layers(drafter: Drafter) -> tuple[int, ...]:
+    """The target hidden states a feature drafter reads (`Drafter.feature_layers`; none for the others)."""
+    return tuple(getattr(drafter, "feature_layers", ()))
+
+
 def drafter_modules(drafter: Drafter) -> list[torch.nn.Module]:
     """The modules a drafter holds as attributes (heads, a draft model, a stopper), for `fast_linears`."""
     return [value for value in getattr(drafter, "__dict__", {}).values() if isinstance(value, torch.nn.Module)]
@@ -293,8 +315,9 @@ def _generate(
 ) -> GenerationOutput:
     clock = _Clock(sync=cuda_sync(model))
     start = time.perf_counter()
+    layers = feature_layers(drafter)
     with clock("prefill"):
-        state = prefill(model, input_ids, pad_mask, config, drafter.needs_hidden, generator)
+        state = prefill(model, input_ids, pad_mask, config, drafter.needs_hidden, generator, layers)
     batch = input_ids.shape[0]
     out: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
@@ -304,7 +327,7 @@ def _generate(
         with clock("draft"):
             draft = drafter.propose(state)
         with clock("forward"):
-            logits, hidden = forward_tree(model, state, draft, drafter.needs_hidden)
+            logits, hidden = forward_tree(model, state, draft, drafter.needs_hidden, layers)
         with clock("verify"):
             result = verify(draft, logits, config, generator)
         with clock("cache"):

@@ -1,6 +1,6 @@
 """Every drafter the engine serves, in one registry, and the one place that tells what a drafter argument names.
 
-    a draftsmith checkpoint directory   its config.json's "drafter_type": medusa, draft_model, cllm
+    a draftsmith checkpoint directory   its config.json's "drafter_type": medusa, draft_model, eagle3, cllm
     a plain causal LM                   a model directory, builtin:<name> or early_exit:<model>:<N>: a draft_model
     a spec "name[:key=value,...]"       a drafter without a checkpoint: jacobi, lookahead, prompt_lookup
     a hub id "org/name"                 either of the first two, read from the local Hugging Face cache's snapshot
@@ -36,6 +36,7 @@ from inference.draft_model import build_draft_model_drafter, checkpoint_stopper,
 from inference.draft_stop import check_stop_spec
 from inference.drafter_spec import DrafterSpec
 from inference.drafters import Drafter, MedusaDrafter, NoDrafter
+from inference.eagle3 import Eagle3Drafter, eagle3_tree
 from inference.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
 from inference.lookahead import LookaheadDrafter
 from inference.prompt_lookup import PromptLookupDrafter
@@ -44,6 +45,7 @@ from models.buildcache import hub_snapshot, is_hub_id
 from models.checkpoint import (
     CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
 )
+from models.eagle3 import load_eagle3
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
 OPTIONAL = ("tree", "draft_stop", "head_vocab")  # the load options a drafter type may not take
@@ -151,6 +153,16 @@ def _draft_model(request: DrafterRequest, model: torch.nn.Module, options: LoadO
     return build_draft_model_drafter(request.path, model, options.tree, options.topk, device, options.draft_stop)
 
 
+def _eagle3(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
+    """An EAGLE-3 draft in the target's dtype beside its input embeddings; `tree` defaults to the tree its measured
+    per-depth acceptance favours (inference.eagle3.default_tree)."""
+    embed = model.get_input_embeddings()
+    draft = load_eagle3(request.path, device=embed.weight.device, dtype=embed.weight.dtype,
+                        target_vocab_size=model.config.get_text_config().vocab_size)
+    check_compatible(request.config, model.config.get_text_config())
+    return Eagle3Drafter(draft, eagle3_tree(options.tree, draft.config.acceptance, device), embed)
+
+
 def _cllm(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
     """A "cllm" checkpoint: the fine-tuned target (its backbone, loaded by `load`) decoded by Jacobi iteration with
     the block size and initialisation it was trained for (config.json "block_size", "init")."""
@@ -199,6 +211,7 @@ DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
     "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab"}), checkpoint=True),
     "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
+    "eagle3": DrafterType(_eagle3, frozenset({"tree"}), checkpoint=True),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
     **{name: DrafterType(_keyword) for name in KEYWORD_DRAFTERS},

@@ -70,9 +70,9 @@ def extract(model_dir: Path, data: Path, out: Path, *overrides: str, launcher: t
 
 @pytest.fixture(scope="module")
 def full_cache(model_dir, data_file, tmp_path_factory) -> Path:
-    """fp32 states, the whole vocabulary as soft labels (k = V), one extra layer."""
+    """fp32 states, the whole vocabulary as soft labels (k = V), two extra layers (the last: after the final norm)."""
     out = tmp_path_factory.mktemp("cache") / "full"
-    extract(model_dir, data_file, out, "method.topk=400", "method.layers=[1]")
+    extract(model_dir, data_file, out, "method.topk=400", "method.layers=[1,2]")
     return out
 
 
@@ -98,13 +98,14 @@ def test_manifest_counts_every_sample_and_token(full_cache):
 
 def test_cached_states_equal_the_targets_forward(full_cache, model_dir):
     target = load_target(str(model_dir), dtype="fp32")
-    dataset = FeatureDataset(full_cache, "train", layers=[1], topk=True)
+    dataset = FeatureDataset(full_cache, "train", layers=[1, 2], topk=True)
     for i in range(0, len(dataset), 5):
         item = dataset[i]
         ids = item["input_ids"][None]
         out = target(input_ids=ids, output_hidden_states=True)
         torch.testing.assert_close(item["hidden"], final_hidden(target, ids)[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(item["layer_1"], out.hidden_states[1][0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(item["layer_2"], out.hidden_states[2][0], rtol=0, atol=1e-5)  # post-norm, as HF
         probs = out.logits[0].float().softmax(-1)  # [T, V]
         trained_next = torch.zeros(len(ids[0]), dtype=torch.bool)
         trained_next[:-1] = item["labels"][1:] != -100
@@ -192,6 +193,38 @@ def test_medusa1_trains_from_the_cache(model_dir, data_file, full_cache, tmp_pat
     config = json.loads((out / "config.json").read_text())
     assert config["training"]["global_step"] == 3
     assert "eval_greedy_head1_top1" in config["training"]["metrics"]
+
+
+@pytest.mark.parametrize("source", ["cache", "online"])
+def test_eagle3_trains_and_serves_losslessly(model_dir, data_file, full_cache, tmp_path, source):
+    """`train eagle3` from the cache and online (the target's forward each step), then the checkpoint through
+    `load`: greedy output equal to plain greedy decoding, the measured acceptance table stored."""
+    from inference import load
+
+    out = tmp_path / "eagle3"
+    data = [f"data.features={full_cache}"] if source == "cache" else [f"data.path={data_file}"]
+    run([sys.executable, "-m", "train", "eagle3", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
+         "data=sharegpt", "data.self_distill=false", *data, "training.max_steps=3",
+         "training.per_device_train_batch_size=4", "method.ttt_steps=2", "method.eval_depth=3", "method.draft_vocab=50",
+         "eval.greedy_prompts=2", "eval.greedy_new_tokens=6", "logger=none", f"output_dir={out}"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["drafter_type"] == "eagle3" and config["training"]["global_step"] == 3
+    assert config["eagle3"]["layers"] == [1, 2] and len(config["eagle3"]["acceptance"]) == 3
+    assert "eval_greedy_step1_top1" in config["training"]["metrics"]
+    engine = load(str(out), base=str(model_dir), dtype="fp32")
+    plain = load(None, base=str(model_dir), dtype="fp32")
+    prompt = [[5, 9, 12, 7, 30]]
+    assert engine.generate(prompt, max_new_tokens=12).sequences == plain.generate(prompt, max_new_tokens=12).sequences
+
+
+def test_eagle3_refuses_a_cache_without_its_layers(model_dir, data_file, tmp_path):
+    cache = tmp_path / "cache"
+    extract(model_dir, data_file, cache, "method.topk=5", "method.layers=[1]")
+    result = run([sys.executable, "-m", "train", "eagle3", "+model=tiny", f"model.path={model_dir}",
+                  "data=sharegpt", "data.self_distill=false", f"data.features={cache}", "logger=none",
+                  f"output_dir={tmp_path / 'out'}"], expect_ok=False)
+    assert result.returncode != 0
+    assert "holds layers [1], this run needs [2]" in result.stderr.strip().splitlines()[-1]
 
 
 def test_bad_feature_settings_are_one_line(model_dir, data_file, tmp_path):

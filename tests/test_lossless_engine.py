@@ -13,6 +13,7 @@ import torch
 
 from inference.draft_model import DraftModelDrafter
 from inference.drafters import DecodeState, Draft, Drafter, MedusaDrafter
+from inference.eagle3 import Eagle3Drafter
 from inference.generate import DecodeConfig, generate
 from inference.jacobi import JacobiDrafter, JacobiOptions
 from inference.lookahead import LookaheadDrafter
@@ -21,6 +22,7 @@ from inference.tree import build_tree
 from inference.verify import SamplingParams, VerifyResult, target_probs
 from tests.conftest import build_tiny_lm
 from tests.test_draft_model import left_pad, noisy_copy
+from tests.test_eagle3 import close_draft
 from tests.test_generate import random_heads
 from tests.test_lookahead import repetitive_prompts
 
@@ -35,6 +37,7 @@ class RecomputeCheck:
     def __init__(self, inner: Drafter, model: torch.nn.Module, prompts: list[list[int]]) -> None:
         self.inner, self.model, self.prompts = inner, model, prompts
         self.needs_hidden = inner.needs_hidden
+        self.feature_layers = getattr(inner, "feature_layers", ())  # a feature drafter reads the tree forward's layers
         self.contexts: list[list[int]] = []
         self.worst, self.checked = 0.0, 0
         self.accepted: list[int] = []  # drafts accepted per step, all rows
@@ -69,10 +72,11 @@ def drafter_kinds(model: torch.nn.Module) -> dict[str, Drafter]:
         "prompt-lookup": PromptLookupDrafter(max_ngram=3, num_draft=4),
         "lookahead": LookaheadDrafter(draft_nodes=6, branch_length=3, max_prefix=3),
         "jacobi": JacobiDrafter(JacobiOptions(block_size=4, init="repeat")),
+        "eagle3": Eagle3Drafter(close_draft(model), tree, model.get_input_embeddings()),
     }
 
 
-KINDS = ["medusa", "draft-model-chain", "draft-model-branches", "prompt-lookup", "lookahead", "jacobi"]
+KINDS = ["medusa", "draft-model-chain", "draft-model-branches", "prompt-lookup", "lookahead", "jacobi", "eagle3"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -104,6 +104,15 @@ class ChecksInputs(Protocol):
 
 
 @runtime_checkable
+class ReadsFeatures(Protocol):
+    """A method that says which stored features of a cache it reads (data.features)."""
+
+    def feature_needs(self) -> tuple[list[int], bool]:
+        """(hidden_states indices it reads, whether it reads soft labels)."""
+        ...
+
+
+@runtime_checkable
 class Standalone(Protocol):
     """A method that runs its own loop (e.g. the stopper's trace collection and L-BFGS fit), not the HF Trainer."""
 
@@ -494,16 +503,21 @@ class CachedData:
     prompts: list[list[int]]  # greedy-evaluation prompts stored with the cache
 
 
-def feature_cache(cfg: DictConfig, tokenizer: Any) -> CachedData:
+def feature_cache(cfg: DictConfig, tokenizer: Any, method: TrainMethod) -> CachedData:
     """data.features: the train / validation samples of a feature cache made for this target and tokenizer (checked
-    from the files, before the target loads), with soft labels when the method mixes them in."""
+    from the files, before the target loads), with the layers the method reads (ReadsFeatures) and soft labels when
+    it mixes them in."""
     folder = cfg.data.features
-    soft = cfg.method.get("soft_labels", 0) > 0
+    if isinstance(method, ReadsFeatures):
+        layers, soft = method.feature_needs()
+    else:
+        layers, soft = [], cfg.method.get("soft_labels", 0) > 0
     manifest = check_cache(
         folder, target=target_fingerprint(cfg.model.path, cfg.model.trust_remote_code, cfg.model.revision),
-        tokenizer=tokenizer_fingerprint(tokenizer), need_topk=soft)
-    validation = FeatureDataset(folder, "validation", topk=soft) if manifest.samples.get("validation") else None
-    train = FeatureDataset(folder, "train", topk=soft)
+        tokenizer=tokenizer_fingerprint(tokenizer), need_layers=layers, need_topk=soft)
+    validation = (FeatureDataset(folder, "validation", layers, topk=soft) if manifest.samples.get("validation")
+                  else None)
+    train = FeatureDataset(folder, "train", layers, topk=soft)
     if cfg.data.max_tokens is not None:
         train = train.sample(cfg.data.max_tokens, cfg.data.seed)
     log.info("data.features=%s: %s of its %s train tokens in %d samples (the cache's data recipe replaces data=%s)",
@@ -541,7 +555,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if isinstance(method, ChecksInputs):
         method.check_inputs(tokenizer)
     own_data = isinstance(method, ProvidesData)
-    cache = feature_cache(cfg, tokenizer) if cfg.data.features else None
+    cache = feature_cache(cfg, tokenizer, method) if cfg.data.features else None
     if cache is not None:
         datasets = cache.datasets
     else:

@@ -38,7 +38,7 @@ def brings_own_data(method_name: str) -> bool:
 
 
 # Methods whose drafter trains from the target's stored features alone (data.features, a `features` cache).
-FEATURE_READERS = frozenset({"medusa1"})
+FEATURE_READERS = frozenset({"medusa1", "eagle3"})
 
 
 def check_features(cfg: DictConfig) -> None:

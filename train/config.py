@@ -221,6 +221,22 @@ class FeaturesConfig:
 
 
 @dataclass
+class Eagle3MethodConfig:
+    """EAGLE-3 (train/eagle3.py): one decoder layer over the target's fused low / mid / high features."""
+
+    name: str = "eagle3"
+    # fused target hidden_states indices (transformers' numbering); empty: EAGLE-3's 2, N/2, N-3 for an N-layer target
+    layers: list[int] = field(default_factory=list)
+    ttt_steps: int = 7  # training-time test: steps unrolled on the draft's own outputs (EAGLE-3: 7)
+    decay: float = 0.8  # step j's loss is weighted decay^j
+    # S: the draft predicts over the S most frequent train-label tokens; null: min(32000, V) (EAGLE-3's size)
+    draft_vocab: Optional[int] = None
+    soft_labels: float = 1.0  # w: w · CE(target's distribution) + (1 - w) · CE(data's next token)
+    init_from_lm_head: bool = True  # start the draft lm_head as the target's rows for the draft vocabulary
+    eval_depth: int = 6  # steps unrolled when evaluating (per-depth acceptance for the engine's default tree)
+
+
+@dataclass
 class TrainConfig:
     method: Any = MISSING
     model: ModelConfig = MISSING
@@ -234,7 +250,7 @@ class TrainConfig:
 
 
 METHOD_SCHEMAS = {"medusa1": Medusa1Config, "medusa2": Medusa2Config, "cllm": CllmConfig, "distill": DistillConfig,
-                  "stopper": StopperConfig, "features": FeaturesConfig}
+                  "stopper": StopperConfig, "features": FeaturesConfig, "eagle3": Eagle3MethodConfig}
 
 
 @dataclass(frozen=True)
@@ -308,6 +324,8 @@ RANGES: dict[type, dict[str, Range]] = {
     DistillConfig: {"jsd_beta": Range(0, 1, low_open=True, high_open=True), "temperature": Range(0, low_open=True),
                     "on_policy_fraction": PROBABILITY, "max_new_tokens": POSITIVE,
                     "sample_temperature": Range(0, low_open=True)},
+    Eagle3MethodConfig: {"ttt_steps": Range(1, 16), "decay": Range(0, 1, low_open=True), "draft_vocab": POSITIVE,
+                         "soft_labels": PROBABILITY, "eval_depth": Range(1, 16)},
     FeaturesConfig: {"topk": NATURAL, "batch_tokens": POSITIVE, "shard_tokens": POSITIVE, "prompts": NATURAL},
     StopperConfig: {"max_gamma": Range(2, MAX_DRAFT_TOKENS), "prompts": Range(2),
                     "validation_fraction": Range(0, 1, low_open=True, high_open=True), "max_new_tokens": POSITIVE,
@@ -326,6 +344,7 @@ RESUME_KEYS: dict[str, tuple[str, ...]] = {
     "cllm": ("method.name", "model.path", *_LORA_KEYS),
     "distill": ("method.name", "model.path", "method.draft"),
     "stopper": (),  # fits in one go, never resumes
+    "eagle3": ("method.name", "model.path", "method.layers", "method.draft_vocab"),
     "features": (),  # resumes by shard, checked against its manifest (train/features.py)
 }
 

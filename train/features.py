@@ -95,14 +95,17 @@ def plan_shards(split: str, lengths: Sequence[int], batch_tokens: int, shard_tok
 
 class LayerTaps:
     """Forward hooks that keep transformers' hidden_states[i] for the requested i (0: the embeddings' output, i >= 1:
-    decoder layer i's output) during one forward; no output_hidden_states, so nothing else is kept."""
+    decoder layer i's output, the last one after the final norm, as transformers numbers them) during one forward; no
+    output_hidden_states, so nothing else is kept."""
 
     def __init__(self, model: nn.Module, layers: Sequence[int]) -> None:
         decoder = model.get_decoder()
         self.outputs: dict[int, torch.Tensor] = {}
         self.handles = []
         for i in layers:
-            module = decoder.get_input_embeddings() if i == 0 else decoder.layers[i - 1]
+            # hidden_states[N] (the last) is the final norm's output in transformers, not decoder layer N's
+            last = i == len(decoder.layers) and getattr(decoder, "norm", None) is not None
+            module = decoder.get_input_embeddings() if i == 0 else decoder.norm if last else decoder.layers[i - 1]
             self.handles.append(module.register_forward_hook(self._keep(i)))
 
     def _keep(self, i: int):

@@ -1,0 +1,380 @@
+"""EAGLE-3's draft model (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test") on stock transformers modules.
+
+Dimension letters: B batch, T time, Q queries, S cached slots (or the draft vocabulary where it says so), D hidden,
+L fused target layers, V target vocabulary, H attention heads, Hd head width, n unrolled steps.
+
+The target's hidden states at a few layers (low / mid / high: transformers' `hidden_states` numbering, EAGLE-3's
+defaults 2, N/2, N-3) are concatenated and fused by `fc` (L*D -> D). One decoder layer of the TARGET'S OWN
+architecture class (`midlayer`; no forked modeling file) reads, at each position, the fused features g_t beside the
+embedding of the next token x_{t+1} (the target's frozen embedding, passed in by the caller): its q/k/v projections
+take the 2D-wide concatenation [input_layernorm(e), hidden_norm(h)], its residual stream is h. A final `norm` and
+`lm_head` over a draft vocabulary of S ids score token t+2.
+
+Offset convention (the only place it is stated): the pair (h at position t, embedding of token t+1) sits at
+position id t; its output o_t predicts token t+2. Fed back with the embedding of token t+2 at position id t+1, o_t
+predicts token t+3, and so on. At inference the last pair is (target features at the last committed token's parent,
+the committed root), so the first draft is the token after the root.
+
+Draft vocabulary (vLLM / SGLang / SpecForge's convention): the S draft ids are the chosen target ids sorted
+ascending; `d2t[i]` = target id - i (an offset), `t2d[v]` = whether target id v is a draft id. `vocab_ids` is
+`arange(S) + d2t`.
+
+Two forwards share every weight:
+    `step`    the stock attention module with a cache and a 4-D additive mask (the engine's tree drafting)
+    `unroll`  training-time test: n steps over a whole sequence, each step's outputs fed back as the next step's
+              hidden input; step j's query at t attends to step 0's keys at <= t and to its own chain's keys at t
+              from steps 1..j (what the chain it stands for sees at inference). `step` over the same inputs gives
+              the same outputs (tests/test_eagle3.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from models.checkpoint import (CONFIG_NAME, TOKEN_COUNTS_NAME, WEIGHTS_NAME, CheckpointError, DrafterMismatchError,
+                               Payload, read_drafter_config, write_checkpoint)
+
+
+class Eagle3ConfigError(ValueError):
+    """An EAGLE-3 config or draft vocabulary that cannot describe a draft model for its target."""
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    target: dict[str, Any]  # the target's text config (`to_dict()`): architecture, widths, rope, norm eps
+    layers: tuple[int, ...]  # fused target hidden_states indices, low to high
+    draft_vocab_size: int  # S
+    ttt_steps: int = 1  # unrolled steps it was trained with (informs the default tree depth)
+    acceptance: list[list[float]] = field(default_factory=list)  # [depth][rank] measured hit rates, when known
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        num_layers = self.target.get("num_hidden_layers")
+        if not self.layers or any(not 0 <= i <= num_layers for i in self.layers) or len(set(self.layers)) != len(self.layers):
+            raise Eagle3ConfigError(f"layers {list(self.layers)}: need distinct hidden_states indices in "
+                                    f"[0, {num_layers}] (the target's num_hidden_layers)")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise Eagle3ConfigError(f"draft_vocab_size {self.draft_vocab_size}: must be in [1, {self.vocab_size}] "
+                                    f"(the target's vocabulary)")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.target["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.target["vocab_size"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "layers": list(self.layers)}
+
+    def target_config(self, attn_implementation: str = "sdpa") -> PretrainedConfig:
+        """The target's architecture config with one layer (what `midlayer` is built from)."""
+        raw = {k: v for k, v in self.target.items() if k not in ("architectures", "_name_or_path")}
+        model_type = raw.pop("model_type")
+        raw["num_hidden_layers"] = 1
+        raw.pop("layer_types", None)  # per-layer lists sized for the full depth
+        return AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **raw)
+
+
+def default_layers(num_hidden_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / mid / high taps in hidden_states numbering: after decoder layers 2, N/2 and N-3."""
+    n = num_hidden_layers
+    return tuple(sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)}))  # a shallow target has fewer distinct taps
+
+
+def target_text_config(target: nn.Module) -> dict[str, Any]:
+    config = target.config.get_text_config()
+    return config.to_dict()
+
+
+def _architecture(config: PretrainedConfig) -> tuple[type, type]:
+    """(decoder layer class, rotary embedding class) of a decoder architecture, read off a one-layer
+    model built on the meta device (no memory, no weights)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not hasattr(decoder, "norm") or not hasattr(decoder, "rotary_emb"):
+        raise Eagle3ConfigError(f"{config.model_type}: an EAGLE-3 draft needs a decoder with layers, norm and "
+                                f"rotary_emb (Llama-style); this architecture has none")
+    return type(layers[0]), type(decoder.rotary_emb)
+
+
+class Eagle3Draft(nn.Module):
+    """fc, midlayer (the target's decoder layer class with 2D-wide q/k/v), norm, lm_head [S, D]; buffers d2t [S], t2d [V].
+    Weight names are the ones vLLM and SGLang load."""
+
+    def __init__(self, config: Eagle3Config, attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        arch = config.target_config(attn_implementation)
+        layer_cls, rotary_cls = _architecture(arch)
+        d, layers = config.hidden_size, len(config.layers)
+        self.fc = nn.Linear(layers * d, d, bias=False)
+        self.midlayer = layer_cls(arch, layer_idx=0)
+        attn = self.midlayer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
+        self.midlayer.hidden_norm = copy.deepcopy(self.midlayer.input_layernorm)
+        self.norm = copy.deepcopy(self.midlayer.input_layernorm)
+        self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
+        self.rotary_emb = rotary_cls(config=arch)
+        self._rotary = sys.modules[layer_cls.__module__].apply_rotary_pos_emb
+        vocab = torch.arange(config.draft_vocab_size)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, vocab, True))
+
+    # -- draft vocabulary -------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_ids(self) -> torch.Tensor:
+        """[S] the target id of each draft id."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, ids: torch.Tensor | Sequence[int]) -> None:
+        """Draft over these S target ids (any order: stored sorted, as the d2t / t2d convention requires)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().sort().values
+        check_vocab_ids(ids, self.config.draft_vocab_size, self.config.vocab_size)
+        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.t2d.zero_().index_fill_(0, ids.to(self.t2d.device), True)
+
+    def draft_index(self, target_ids: torch.Tensor, missing: int = -1) -> torch.Tensor:
+        """Target ids [...] -> draft ids [...]; ids outside the draft vocabulary become `missing`."""
+        position = torch.cumsum(self.t2d.long(), 0) - 1  # [V] draft id of each kept target id
+        safe = target_ids.clamp(0, len(self.t2d) - 1)
+        return torch.where(self.t2d[safe] & (target_ids >= 0), position[safe], torch.full_like(target_ids, missing))
+
+    @torch.no_grad()
+    def init_as_target_head(self) -> None:
+        """Start as the target's own next-token predictor (with `lm_head` and `norm` copied from the target): `fc` passes
+        the highest fused layer through and the layer adds nothing (o_proj and down_proj zero), so the first draft is
+        what the target's upper layers already say and training learns the shift by one token (Medusa's
+        init_from_lm_head, for a feature drafter)."""
+        d = self.config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, -d:] = torch.eye(d)
+        self.midlayer.self_attn.o_proj.weight.zero_()
+        self.midlayer.mlp.down_proj.weight.zero_()
+
+    # -- forwards ---------------------------------------------------------------------------------------------------
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., L*D] concatenated target layers (in `config.layers` order) -> [..., D]."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., D] midlayer outputs -> [..., S] draft-vocabulary logits."""
+        return self.lm_head(self.norm(hidden))
+
+    def _inputs(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        layer = self.midlayer
+        return torch.cat([layer.input_layernorm(embeds.to(hidden.dtype)), layer.hidden_norm(hidden)], dim=-1)
+
+    def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        layer = self.midlayer
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def step(self, hidden: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        """One pass of the decoder layer over Q new pairs after the cache: hidden [B, Q, D] (fused target features or
+        earlier outputs), embeds [B, Q, D] (of the token after each), position_ids [B, Q], attention_mask an additive
+        [B, 1, Q, S + Q] mask (None only for one query, or Q causal ones over an empty cache: the attention module is
+        called directly, so nothing builds a causal mask) -> outputs [B, Q, D]. Appends Q cache slots."""
+        x = self._inputs(hidden, embeds)  # [B, Q, 2D]
+        cos_sin = self.rotary_emb(hidden, position_ids)
+        attn, _ = self.midlayer.self_attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=attention_mask,
+                                          cache=cache)
+        return self._mlp(hidden + attn)
+
+    def unroll(self, hidden: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test over right-padded sequences: hidden [B, T, D] fused target features, embeds [B, T, D]
+        the embeddings of x_0 .. x_{T-1} -> `steps` outputs [B, T, D]; output j at t predicts token t + 2 + j.
+        Step j reads the embedding of x_{t+1+j} (zeros past the end: those positions have no label)."""
+        b, t, _ = hidden.shape
+        positions = torch.arange(t, device=hidden.device)[None].expand(b, t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()  # [T, T]
+        attn = self.midlayer.self_attn
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outputs = []
+        for j in range(steps):
+            shifted = F.pad(embeds[:, 1 + j :], (0, 0, 0, min(1 + j, t)))[:, :t]  # [B, T, D] embedding of x_{t+1+j}
+            x = self._inputs(hidden, shifted)  # [B, T, 2D]
+            cos, sin = self.rotary_emb(hidden, positions + j)
+            q, k, v = _project(attn, x)  # [B, H|Hkv, T, Hd]
+            q, k = self._rotary(q, k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            context = _unrolled_attention(q, keys, values, causal, attn.scaling)  # [B, T, H * Hd]
+            hidden = self._mlp(hidden + attn.o_proj(context))
+            outputs.append(hidden)
+        return outputs
+
+
+def _project(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stock attention module's projections (and per-head q/k norms where the architecture has them, as Qwen3)
+    on x [B, T, 2D] -> q [B, H, T, Hd], k and v [B, Hkv, T, Hd]."""
+    b, t, _ = x.shape
+    shape = (b, t, -1, attn.head_dim)
+    q, k, v = (getattr(attn, f"{n}_proj")(x).view(shape) for n in "qkv")
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], causal: torch.Tensor,
+                        scaling: float) -> torch.Tensor:
+    """Step j = len(keys) - 1: query t sees keys[0] at <= t (causal) and keys[1..j] at t (its own chain).
+    q [B, H, T, Hd]; keys / values [B, Hkv, T, Hd] each -> [B, T, H * Hd]."""
+    b, h, t, hd = q.shape
+    groups = h // keys[0].shape[1]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+    k0, v0 = heads(keys[0]), heads(values[0])
+    scores = torch.matmul(q, k0.transpose(-1, -2)) * scaling  # [B, H, T, T]
+    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    chain = [(q * heads(k)).sum(-1, keepdim=True) * scaling for k in keys[1:]]  # [B, H, T, 1] each
+    weights = torch.cat([scores, *chain], dim=-1).softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)  # [B, H, T, T + j]
+    out = torch.matmul(weights[..., :t], v0)  # [B, H, T, Hd]
+    for i, v in enumerate(values[1:]):
+        out = out + weights[..., t + i : t + i + 1] * heads(v)
+    return out.transpose(1, 2).reshape(b, t, h * hd)
+
+
+def check_vocab_ids(ids: torch.Tensor, size: int, vocab_size: int, where: str = "draft vocabulary") -> None:
+    """Eagle3ConfigError unless `ids` are `size` distinct target ids in [0, vocab_size)."""
+    if ids.numel() != size:
+        raise Eagle3ConfigError(f"{where}: {ids.numel()} ids, the draft model has draft_vocab_size={size}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise Eagle3ConfigError(f"{where}: ids must lie in [0, {vocab_size}) (the target's vocabulary), got "
+                                f"[{int(ids.min())}, {int(ids.max())}]")
+    if len(ids.unique()) != ids.numel():
+        raise Eagle3ConfigError(f"{where}: duplicate ids")
+
+
+def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int, where: str) -> torch.Tensor:
+    """Validate a d2t / t2d pair against the sizes; returns the draft vocabulary's target ids [S]. One-line
+    Eagle3ConfigError naming `where` for a map of another size, ids out of range, duplicates, or maps that disagree."""
+    if d2t.dim() != 1 or d2t.numel() != draft_vocab_size:
+        raise Eagle3ConfigError(f"{where}: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},) "
+                                f"(draft_vocab_size)")
+    if t2d.dim() != 1 or t2d.numel() != vocab_size:
+        raise Eagle3ConfigError(f"{where}: t2d has shape {tuple(t2d.shape)}, expected ({vocab_size},) (the target's "
+                                f"vocab_size)")
+    ids = torch.arange(draft_vocab_size) + d2t.long().cpu()
+    check_vocab_ids(ids, draft_vocab_size, vocab_size, f"{where}: d2t")
+    if bool((ids[1:] <= ids[:-1]).any()):
+        raise Eagle3ConfigError(f"{where}: d2t does not map draft ids to ascending target ids")
+    kept = t2d.cpu().bool().nonzero().flatten()
+    if not torch.equal(kept, ids):
+        raise Eagle3ConfigError(f"{where}: t2d marks {kept.numel()} target ids that are not d2t's {draft_vocab_size}")
+    return ids
+
+
+# -- checkpoints (the project's format: models.checkpoint.write_checkpoint is the one writer) -----------------------
+
+DRAFTER_TYPE = "eagle3"
+CONFIG_KEY = "eagle3"  # config.json key holding Eagle3Config.to_dict()
+
+
+def saved_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores: every parameter, d2t and t2d (the rotary buffers are recomputed)."""
+    return {name: t.detach().to("cpu").contiguous() for name, t in draft.state_dict().items()
+            if not name.startswith("rotary_emb.")}
+
+
+def save_eagle3(output_dir: str | os.PathLike, draft: Eagle3Draft, base_model_name_or_path: str, tokenizer: Any = None,
+                extra: dict[str, Any] | None = None, token_counts: torch.Tensor | None = None) -> Path:
+    """Write `draft` as a draftsmith checkpoint (drafter_type "eagle3"), atomically: config.json {"eagle3": its
+    Eagle3Config, "hidden_size", "vocab_size", ...}, drafter.safetensors (`saved_state`), token_counts.safetensors."""
+
+    tensors = saved_state(draft)
+    config = draft.config
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "drafter_type": DRAFTER_TYPE})
+        if token_counts is not None:
+            save_file({"counts": token_counts.detach().to("cpu", torch.int64).contiguous()},
+                      str(tmp / TOKEN_COUNTS_NAME), metadata={"format": "pt"})
+
+    settings = {CONFIG_KEY: config.to_dict(), "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                "draft_vocab_size": config.draft_vocab_size}
+    return write_checkpoint(output_dir, base_model_name_or_path, Payload(DRAFTER_TYPE, settings, tensors, write),
+                            tokenizer, extra)
+
+
+def read_eagle3_config(path: str | os.PathLike) -> Eagle3Config:
+    """The Eagle3Config of an eagle3 checkpoint, from config.json alone; CheckpointError (one line) otherwise."""
+
+    path = Path(path)
+    config = read_drafter_config(path)
+    if config["drafter_type"] != DRAFTER_TYPE:
+        raise CheckpointError(f"{path / CONFIG_NAME}: drafter_type {config['drafter_type']!r} is not {DRAFTER_TYPE!r}")
+    raw = config.get(CONFIG_KEY)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path / CONFIG_NAME}: missing the {CONFIG_KEY!r} object")
+    try:
+        return Eagle3Config(**raw)
+    except TypeError as e:
+        raise CheckpointError(f"{path / CONFIG_NAME}: {CONFIG_KEY}: {e}") from None
+    except Eagle3ConfigError as e:
+        raise CheckpointError(f"{path / CONFIG_NAME}: {CONFIG_KEY}: {e}") from None
+
+
+def check_eagle3_checkpoint(path: str | os.PathLike, target_vocab_size: int | None = None) -> Eagle3Config:
+    """Everything about an eagle3 checkpoint that can be refused without building a model: its config, its d2t /
+    t2d maps (read alone from the weights file: sizes, range, duplicates, agreement) and, when given, the target's
+    vocabulary size. One-line CheckpointError / DrafterMismatchError naming the file."""
+
+    config = read_eagle3_config(path)
+    if target_vocab_size is not None and target_vocab_size != config.vocab_size:
+        raise DrafterMismatchError(f"{Path(path) / 'config.json'}: this EAGLE-3 draft was trained for a vocabulary of "
+                                   f"{config.vocab_size} tokens, the target has {target_vocab_size}")
+    weights = Path(path) / WEIGHTS_NAME
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            names = set(f.keys())
+            if not {"d2t", "t2d"} <= names:
+                raise CheckpointError(f"{weights}: missing {' and '.join(sorted({'d2t', 't2d'} - names))}")
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights}: unreadable safetensors ({e})") from None
+    try:
+        check_maps(d2t, t2d, config.draft_vocab_size, config.vocab_size, str(weights))
+    except Eagle3ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return config
+
+
+def load_eagle3(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                target_vocab_size: int | None = None) -> Eagle3Draft:
+    """An eagle3 checkpoint's draft model, checked (`check_eagle3_checkpoint`) before it is built, in eval mode
+    without gradients."""
+
+    config = check_eagle3_checkpoint(path, target_vocab_size)
+    weights = Path(path) / WEIGHTS_NAME
+    state = load_file(str(weights))
+    draft = Eagle3Draft(config)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise CheckpointError(f"{weights}: weights do not match config.json ({what})")
+    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -1,0 +1,231 @@
+"""EAGLE-3: the draft model's two forwards agree, the loss reads the offsets it documents, the engine drafter is
+lossless (greedy identity, batched and left-padded, every tree shape), and checkpoints refuse bad maps in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import DynamicCache
+
+from inference.cache import additive
+from inference.eagle3 import Eagle3Drafter, default_tree, eagle3_tree, plan_levels
+from inference.generate import DecodeConfig, generate
+from inference.tree import TreeError, build_tree
+from inference.verify import SamplingParams
+from models.checkpoint import CheckpointError, DrafterMismatchError, WEIGHTS_NAME
+from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_eagle3_checkpoint, default_layers,
+                           load_eagle3, save_eagle3, target_text_config)
+from tests.conftest import build_tiny_lm, tiny_config
+from tests.test_draft_model import left_pad
+from tests.test_lookahead import repetitive_prompts
+from train.eagle3 import eagle3_loss, soft_targets
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def random_draft(arch: str = "llama", layers=(1, 2), draft_vocab: int = 64, seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    config = Eagle3Config(target=tiny_config(arch).to_dict(), layers=layers, draft_vocab_size=draft_vocab)
+    draft = Eagle3Draft(config)
+    draft.set_draft_vocab(torch.randperm(config.vocab_size)[:draft_vocab])
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return draft.eval()
+
+
+def close_draft(model: torch.nn.Module) -> Eagle3Draft:
+    """A draft that predicts, at every depth, the target's own next token from its last features: the fused feature
+    is the final-norm state (fc = identity), the layer adds nothing (o_proj and down_proj zero), and lm_head is the
+    target's. On the repetitive tiny targets it is often right, so trees get accepted paths."""
+    text = target_text_config(model)
+    config = Eagle3Config(target=text, layers=(text["num_hidden_layers"],), draft_vocab_size=text["vocab_size"])
+    draft = Eagle3Draft(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        draft.fc.weight.copy_(torch.eye(text["hidden_size"]))
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        draft.lm_head.weight.copy_(model.get_output_embeddings().weight)
+        draft.norm.weight.fill_(1.0)
+    return draft
+
+
+# --- the draft model ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_unrolled_steps_equal_the_cached_step_forward(arch):
+    """Training-time test's step j at position t equals feeding, with the stock attention and a cache, step 0's pairs
+    (causal) and then the chain at t (fp64, 1e-12): the engine drafts exactly what training unrolled."""
+    draft = random_draft(arch).double()
+    b, t, d = 2, 8, 32
+    hidden, embeds = torch.randn(b, t, d, dtype=torch.double), torch.randn(b, t, d, dtype=torch.double)
+    unrolled = draft.unroll(hidden, embeds, 3)
+    cache = DynamicCache()
+    next_embeds = F.pad(embeds[:, 1:], (0, 0, 0, 1))  # step 0 pairs position t with the token t + 1
+    causal = additive(torch.ones(t, t, dtype=torch.bool).tril()[None, None].expand(b, 1, t, t), torch.double)
+    step0 = draft.step(hidden, next_embeds, torch.arange(t)[None].expand(b, t), causal, cache)
+    assert (step0 - unrolled[0]).abs().max() < 1e-12
+    at = 4
+    seen = torch.zeros(t, dtype=torch.bool)
+    seen[: at + 1] = True
+    out = step0[:, at : at + 1]
+    for j in (1, 2):
+        visible = torch.cat([seen, torch.ones(j, dtype=torch.bool)])
+        mask = additive(visible[None, None, None].expand(b, 1, 1, -1), torch.double)
+        out = draft.step(out, embeds[:, at + 1 + j : at + 2 + j], torch.full((b, 1), at + j), mask, cache)
+        assert (out[:, 0] - unrolled[j][:, at]).abs().max() < 1e-12
+
+
+def test_draft_vocabulary_maps():
+    draft = random_draft(draft_vocab=16)
+    ids = draft.vocab_ids
+    assert torch.equal(ids, ids.sort().values) and len(ids.unique()) == 16
+    assert torch.equal(draft.t2d.nonzero().flatten(), ids)
+    assert torch.equal(draft.draft_index(ids), torch.arange(16))
+    outside = int((~draft.t2d).nonzero()[0])
+    assert int(draft.draft_index(torch.tensor([outside, -100]))[0]) == -1
+    for bad, match in (([0] * 16, "duplicate"), (list(range(15)), "15 ids"), (list(range(120, 136)), r"\[0, 128\)")):
+        with pytest.raises(Eagle3ConfigError, match=match):
+            draft.set_draft_vocab(bad)
+
+
+def test_default_layers_are_eagle3s():
+    assert default_layers(30) == (2, 15, 27)
+    assert default_layers(32) == (2, 16, 29)
+
+
+# --- the loss ---------------------------------------------------------------------------------------------------------
+
+def test_loss_offsets_and_soft_targets():
+    """Step 1 at t is scored against the target's distribution stored at t + 1 (the cache's row for token t + 2), by
+    hand; gradients reach the fused projection; soft targets drop the mass outside the draft vocabulary and
+    renormalise the rest."""
+    draft = random_draft(draft_vocab=128)  # full vocabulary: every id inside
+    b, t = 2, 10
+    hidden = torch.randn(b, t, 2 * 32)
+    embeds = torch.randn(b, t, 32)
+    labels = torch.randint(3, 128, (b, t))
+    labels[:, :3] = -100
+    topk_ids = torch.randint(0, 128, (b, t, 4))
+    topk_probs = torch.rand(b, t, 4).softmax(-1)
+    out = eagle3_loss(draft, hidden, embeds, labels, topk_ids, topk_probs, steps=2, decay=0.8, soft_weight=1.0)
+    assert out.loss.requires_grad and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert draft.fc.weight.grad is not None and draft.fc.weight.grad.abs().sum() > 0
+    # step 1 by hand: output 0 at t scores the row t + 1 for label t + 2
+    outputs = draft.unroll(draft.fuse(hidden), embeds, 1)
+    keep = labels[:, 2:] != -100
+    logits = draft.logits(outputs[0][:, : t - 2][keep])
+    soft, inside = soft_targets(draft, topk_ids[:, 1 : t - 1][keep], topk_probs[:, 1 : t - 1][keep])
+    assert bool(inside.all())
+    expected = F.cross_entropy(logits, soft).detach()
+    assert abs(float(out.metrics["step1_soft_loss"]) - float(expected)) < 1e-5
+    # a small draft vocabulary: mass outside is dropped, the rest renormalised
+    small = random_draft(draft_vocab=8)
+    ids = torch.cat([small.vocab_ids[:2], (~small.t2d).nonzero()[:1, 0]])[None]  # two inside, one outside
+    dense, inside = soft_targets(small, ids, torch.tensor([[0.5, 0.25, 0.25]]))
+    assert bool(inside[0]) and torch.allclose(dense[0, :2], torch.tensor([2 / 3, 1 / 3]))
+
+
+# --- the engine ---------------------------------------------------------------------------------------------------
+
+TREES = {
+    "chain": [(0,), (0, 0), (0, 0, 0)],
+    "branching": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)],
+}
+
+
+def test_plan_levels_queries_the_nodes_with_children():
+    tree = build_tree(TREES["branching"], num_heads=3, topk=3)
+    levels = plan_levels(tree)
+    depth = tree.depth.tolist()
+    assert levels[0].queries == [0]
+    assert all(depth[n] == d for d, level in enumerate(levels) for n in level.queries)
+    # every non-root node is some level's child exactly once
+    children = sorted(int(c) for level in levels for c in level.children)
+    assert children == list(range(1, tree.num_nodes))
+    # a level-2 query sees its depth-1 ancestor's slot and itself
+    level2 = levels[2]
+    assert level2.visible.sum(-1).tolist() == [2] * len(level2.queries)
+
+
+@pytest.mark.parametrize("tree_name", sorted(TREES))
+def test_greedy_output_is_plain_greedy(tiny_lm, tree_name):
+    """Batched (3 rows of different lengths, left-padded), fp32: every row equals plain greedy decoding, for a close
+    draft (drafts accepted) and a random one (almost none)."""
+    prompts = repetitive_prompts(7, 3)
+    ids, mask = left_pad(prompts)
+    config = DecodeConfig(max_new_tokens=20)
+    plain = generate(tiny_lm, ids, None, config, attention_mask=mask).sequences
+    tree = build_tree(TREES[tree_name], num_heads=3, topk=3)
+    embed = tiny_lm.get_input_embeddings()
+    close = generate(tiny_lm, ids, Eagle3Drafter(close_draft(tiny_lm), tree, embed), config, attention_mask=mask)
+    assert close.sequences == plain
+    assert close.stats.mean_accepted > 0.1, close.stats.accepted
+    far = generate(tiny_lm, ids, Eagle3Drafter(random_draft(), tree, embed), config, attention_mask=mask)
+    assert far.sequences == plain
+
+
+def test_sampled_decoding_runs_batched():
+    """Sampling at temperature 0.8 through rejection sampling (deterministic drafts: the enumerated one-hot rule of
+    tests/test_lossless_exact.py covers their law), left-padded, one generator: the same seed, the same tokens."""
+    model = build_tiny_lm("llama")
+    ids, mask = left_pad(repetitive_prompts(5, 2))
+    drafter = lambda: Eagle3Drafter(close_draft(model), build_tree(TREES["branching"], 3, 3),  # noqa: E731
+                                    model.get_input_embeddings())
+    config = DecodeConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.8))
+    runs = [generate(model, ids, drafter(), config, attention_mask=mask, generator=torch.Generator().manual_seed(3))
+            for _ in range(2)]
+    assert runs[0].sequences == runs[1].sequences and all(len(s) == 12 for s in runs[0].sequences)
+
+
+def test_default_tree_follows_the_measured_acceptance():
+    acceptance = [[0.6, 0.2, 0.05], [0.5, 0.1, 0.0], [0.4, 0.1, 0.0]]
+    choices = default_tree(acceptance, num_nodes=6)
+    assert choices[0] == (0,) and (0, 0) in choices and len(choices) == 6
+    assert default_tree([]) == [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
+    with pytest.raises(TreeError, match="chain:<depth>"):
+        eagle3_tree("chain", acceptance, "cpu")
+    assert eagle3_tree("chain:5", acceptance, "cpu").max_depth == 5
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_and_refusals(tmp_path):
+    draft = random_draft(draft_vocab=32)
+    save_eagle3(tmp_path / "ok", draft, "builtin:tiny")
+    loaded = load_eagle3(tmp_path / "ok", target_vocab_size=128)
+    hidden, embeds = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    assert torch.equal(loaded.unroll(hidden, embeds, 2)[1], draft.unroll(hidden, embeds, 2)[1])
+    assert torch.equal(loaded.vocab_ids, draft.vocab_ids)
+    with pytest.raises(DrafterMismatchError, match="vocabulary of 128 tokens, the target has 100"):
+        check_eagle3_checkpoint(tmp_path / "ok", target_vocab_size=100)
+
+    def corrupted(name: str, **tensors: torch.Tensor):
+        from safetensors.torch import load_file, save_file
+        folder = tmp_path / name
+        save_eagle3(folder, draft, "builtin:tiny")
+        state = load_file(str(folder / WEIGHTS_NAME))
+        state.update(tensors)
+        save_file(state, str(folder / WEIGHTS_NAME))
+        return folder
+
+    d2t = draft.d2t.clone()
+    d2t[-1] = 500
+    with pytest.raises(CheckpointError, match=r"d2t: ids must lie in \[0, 128\)"):
+        check_eagle3_checkpoint(corrupted("range", d2t=d2t))
+    dup = draft.d2t.clone()
+    dup[1] = dup[0] - 1  # draft id 1 -> the same target id as draft id 0
+    with pytest.raises(CheckpointError, match="duplicate ids"):
+        check_eagle3_checkpoint(corrupted("dup", d2t=dup))
+    with pytest.raises(CheckpointError, match=r"t2d has shape \(100,\)"):
+        check_eagle3_checkpoint(corrupted("t2d", t2d=torch.zeros(100, dtype=torch.bool)))
+    with pytest.raises(CheckpointError, match=r"d2t has shape \(31,\)"):
+        check_eagle3_checkpoint(corrupted("size", d2t=draft.d2t[:31].clone()))
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    config["eagle3"]["layers"] = [7]
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"layers \[7\]"):
+        check_eagle3_checkpoint(tmp_path / "ok")

@@ -1,0 +1,327 @@
+"""EAGLE-3: a one-layer feature drafter over the frozen target's low / mid / high hidden states (models/eagle3.py),
+trained with training-time test.
+
+Loss (EAGLE-3, Li et al. 2025, sec. 3; SpecForge's weighting): the draft is unrolled for n = method.ttt_steps steps
+over each sequence, step j feeding back its own outputs with the embedding of the true token x_{t+1+j}:
+    L = Σ_{j<n} λ^j · [w · CE(draft_j(t), p_{t+1+j}) + (1 - w) · CE(draft_j(t), x_{t+2+j})]
+p is the target's next-token distribution at t+1+j restricted to the draft vocabulary and renormalised (from the
+cache's top-k, or from the target's logits when training online), w = method.soft_labels, λ = method.decay. A position
+counts where token t+2+j is trained (an assistant token) and, for the soft term, where some of the target's top-k lies
+in the draft vocabulary.
+
+Step j's top-1 agreement with the target's argmax is the acceptance of depth j+1 of a chain whose shallower drafts
+were accepted (greedy decoding); a chain of depth d then yields τ = 1 + Σ_{k≤d} Π_{i≤k} a_i tokens per target step.
+Training logs both; evaluation measures them on the target's own greedy continuations of validation prompts (what the
+engine meets), per rank, and the checkpoint keeps that table for the engine's default tree.
+Dimension letters: B batch, T time, L fused layers, D hidden, S draft vocabulary, k soft-label width, N positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F
+
+from data.chat import IGNORE_INDEX
+from data.datasets import label_counts
+from data.errors import UsageError
+from models.checkpoint import most_frequent
+from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
+from models.loading import model_config
+from train.base import StepOutput
+from train.distributed import gathered
+from train.medusa1 import greedy_continuations
+
+log = logging.getLogger("draftsmith")
+
+DEFAULT_DRAFT_VOCAB = 32000  # EAGLE-3's (capped at the target's vocabulary)
+RANKS = 10  # candidates per depth whose hit rates evaluation records (the engine's trees use ranks < 10)
+SOFT_TOPK = 20  # online soft labels: the target's top-k, as a feature cache stores them
+
+
+class Eagle3TrainModule(nn.Module):
+    """The frozen target plus the trainable draft; only `draft` has parameters that require grad."""
+
+    def __init__(self, target: nn.Module, draft: Eagle3Draft) -> None:
+        super().__init__()
+        self.target = target
+        self.draft = draft
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> the target's frozen input embeddings [B, T, D] in the draft's dtype."""
+        with torch.no_grad():
+            return self.target.get_input_embeddings()(input_ids).to(self.draft.fc.weight.dtype)
+
+    @torch.no_grad()
+    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]
+                        ) -> dict[str, torch.Tensor]:
+        """Online (no cache): the target's layers [B, T, D] each and its top-k next-token distribution [B, T, k], as
+        a feature cache would hold them."""
+        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=list(layers))
+        top = out.logits.float().softmax(-1).topk(SOFT_TOPK, dim=-1)
+        batch = {f"layer_{i}": out.hidden_states[i].float() for i in layers}
+        return {**batch, "topk_ids": top.indices, "topk_probs": top.values}
+
+
+def soft_targets(draft: Eagle3Draft, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids / topk_probs [N, k] -> (probabilities over the draft vocabulary [N, S], renormalised over the ids
+    inside it; whether any mass fell inside [N])."""
+    index = draft.draft_index(topk_ids)  # [N, k]; -1 outside
+    inside = index >= 0
+    dense = topk_probs.new_zeros(len(index), draft.config.draft_vocab_size)
+    dense.scatter_add_(1, index.clamp_min(0), torch.where(inside, topk_probs, torch.zeros_like(topk_probs)))
+    mass = dense.sum(-1, keepdim=True)
+    return dense / mass.clamp_min(1e-12), mass[:, 0] > 0
+
+
+def eagle3_loss(draft: Eagle3Draft, hidden: torch.Tensor, embeds: torch.Tensor, labels: torch.Tensor,
+                topk_ids: torch.Tensor | None, topk_probs: torch.Tensor | None, steps: int, decay: float,
+                soft_weight: float) -> StepOutput:
+    """The module docstring's loss. hidden [B, T, L*D] concatenated target layers, embeds [B, T, D], labels [B, T]
+    unshifted (-100: untrained), topk_* [B, T, k] the target's distribution at t (for token t+1) or None (hard labels
+    only: soft_weight must be 0). Metrics per step: loss, top-1 agreement with the target's argmax (or the data's
+    next token without soft labels), and the chain τ they imply."""
+    if soft_weight > 0 and topk_ids is None:
+        raise ValueError("eagle3_loss: soft_weight > 0 needs the target's soft labels (topk_ids, topk_probs)")
+    b, t = labels.shape
+    outputs = draft.unroll(draft.fuse(hidden), embeds, steps)  # steps x [B, T, D]
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, torch.Tensor] = {}
+    survive, tau = 1.0, 1.0
+    for j, out in enumerate(outputs):
+        shift = 2 + j  # output j at t predicts token t + 2 + j, the target's distribution at t + 1 + j
+        if shift >= t:
+            break
+        keep = labels[:, shift:] != IGNORE_INDEX  # [B, T - shift]
+        if not keep.any():
+            continue
+        logits = draft.logits(out[:, : t - shift][keep]).float()  # [N, S]
+        hard = draft.draft_index(labels[:, shift:][keep])  # [N]; -1 outside the draft vocabulary
+        if topk_ids is not None:
+            ids, probs = topk_ids[:, shift - 1 : t - 1][keep], topk_probs[:, shift - 1 : t - 1][keep].float()  # [N, k]
+            soft, inside = soft_targets(draft, ids, probs)
+            reference = draft.draft_index(ids[:, 0])  # the target's argmax
+        else:
+            inside, reference = hard >= 0, hard
+        ce = logits.new_zeros(())
+        if soft_weight > 0 and inside.any():
+            soft_ce = F.cross_entropy(logits[inside], soft[inside])
+            metrics[f"step{j + 1}_soft_loss"] = soft_ce.detach()
+            ce = ce + soft_weight * soft_ce
+        if soft_weight < 1 and (hard >= 0).any():
+            hard_ce = F.cross_entropy(logits[hard >= 0], hard[hard >= 0])
+            metrics[f"step{j + 1}_hard_loss"] = hard_ce.detach()
+            ce = ce + (1 - soft_weight) * hard_ce
+        loss = loss + decay ** j * ce
+        accept = (logits.detach().argmax(-1) == reference).float().mean()  # misses where the argmax is outside
+        metrics[f"step{j + 1}_top1"] = accept
+        survive *= float(accept)
+        tau += survive
+    metrics["tau_chain"] = torch.tensor(tau)
+    return StepOutput(loss=loss, metrics=metrics)
+
+
+class RankCounter:
+    """Per depth: how often the target's token was the draft's rank-r candidate (r < RANKS), over an evaluation."""
+
+    def __init__(self, depth: int) -> None:
+        self.hits = torch.zeros(depth, RANKS, dtype=torch.float64)
+        self.counts = torch.zeros(depth, dtype=torch.float64)
+
+    def add(self, depth: int, logits: torch.Tensor, reference: torch.Tensor) -> None:
+        """logits [N, S], reference [N] draft ids of the target's token (-1: outside the vocabulary, a miss)."""
+        top = logits.topk(min(RANKS, logits.shape[-1]), dim=-1).indices  # [N, R]
+        hit = top == reference[:, None]
+        self.hits[depth, : top.shape[1]] += hit.double().sum(0).cpu()
+        self.counts[depth] += len(reference)
+
+    def table(self) -> list[list[float]]:
+        """[depth][rank] hit rates (a depth never seen is all zeros)."""
+        return (self.hits / self.counts.clamp(min=1)[:, None]).tolist()
+
+
+def chain_tau(top1: list[float]) -> float:
+    """Tokens per target step of a chain with these per-depth (conditional) acceptances."""
+    tau, survive = 1.0, 1.0
+    for a in top1:
+        survive *= a
+        tau += survive
+    return tau
+
+
+class Method:
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.m = cfg.method
+        self.layers = self._layers()
+        self.label_counts: torch.Tensor | None = None
+        self.acceptance: list[list[float]] = []  # the last greedy evaluation's [depth][rank] hit rates
+
+    def _layers(self) -> tuple[int, ...]:
+        """method.layers, or EAGLE-3's defaults for the target's depth (read from its config.json alone)."""
+        depth = model_config(self.cfg.model.path, self.cfg.model.trust_remote_code, self.cfg.model.revision
+                             ).get_text_config().num_hidden_layers
+        layers = tuple(self.m.layers) if self.m.layers else default_layers(depth)
+        bad = [i for i in layers if not 0 <= i <= depth]
+        if bad or len(set(layers)) != len(layers):
+            raise UsageError(f"method.layers={list(layers)}: need distinct hidden_states indices in [0, {depth}] "
+                             f"({self.cfg.model.path} has {depth} decoder layers)")
+        return layers
+
+    # -- what the run reads ----------------------------------------------------------------------------------------
+
+    def feature_needs(self) -> tuple[list[int], bool]:
+        """(layers, soft labels) a feature cache must hold for this run."""
+        return list(self.layers), self.m.soft_labels > 0
+
+    def count_labels(self, dataset: Any) -> None:
+        """Token frequencies of the train labels: the draft vocabulary is the S most frequent."""
+        self.label_counts = label_counts(dataset)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor | None:
+        if self.label_counts is None:
+            return None
+        counts = self.label_counts[:vocab_size]
+        return torch.cat([counts, counts.new_zeros(vocab_size - len(counts))])
+
+    def build(self, target: nn.Module, tokenizer: Any) -> Eagle3TrainModule:
+        text = target_text_config(target)
+        vocab_size = int(text["vocab_size"])
+        size = self.m.draft_vocab if self.m.draft_vocab is not None else min(DEFAULT_DRAFT_VOCAB, vocab_size)
+        if size > vocab_size:
+            raise UsageError(f"method.draft_vocab={size}: the target's vocabulary has only {vocab_size} tokens")
+        config = Eagle3Config(target=text, layers=self.layers, draft_vocab_size=size, ttt_steps=self.m.ttt_steps)
+        draft = Eagle3Draft(config)
+        counts = self.token_counts(vocab_size)
+        if counts is not None:
+            draft.set_draft_vocab(most_frequent(counts, size))
+        if self.m.init_from_lm_head:
+            lm_head = target.get_output_embeddings()
+            with gathered([lm_head.weight]), torch.no_grad():
+                draft.lm_head.weight.copy_(lm_head.weight[draft.vocab_ids.to(lm_head.weight.device)])
+                draft.init_as_target_head()
+                norm = getattr(target.get_decoder(), "norm", None)
+                if norm is not None and getattr(norm, "weight", None) is not None:
+                    draft.norm.weight.copy_(norm.weight)  # the target's final norm, in front of its lm_head rows
+        target.requires_grad_(False).eval()
+        return Eagle3TrainModule(target, draft.float())
+
+    # -- training ---------------------------------------------------------------------------------------------------
+
+    def _inputs(self, model: Eagle3TrainModule, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch with the target's features: a cache's as they are, else from one no-grad target forward."""
+        if f"layer_{self.layers[0]}" not in batch:
+            batch = {**batch, **model.target_features(batch["input_ids"], batch["attention_mask"], self.layers)}
+        return batch
+
+    def _loss(self, model: Eagle3TrainModule, batch: dict[str, torch.Tensor], steps: int) -> StepOutput:
+        batch = self._inputs(model, batch)
+        hidden = torch.cat([batch[f"layer_{i}"] for i in self.layers], dim=-1)  # [B, T, L*D]
+        soft = self.m.soft_labels > 0 and "topk_ids" in batch
+        return eagle3_loss(model.draft, hidden, model.embed(batch["input_ids"]), batch["labels"],
+                           batch.get("topk_ids") if soft else None, batch.get("topk_probs") if soft else None,
+                           steps, self.m.decay, self.m.soft_labels if soft else 0.0)
+
+    def forward_loss(self, model: Eagle3TrainModule, batch: dict[str, torch.Tensor]) -> StepOutput:
+        model.target.eval()
+        return self._loss(model, batch, self.m.ttt_steps)
+
+    def param_groups(self, model: Eagle3TrainModule, learning_rate: float) -> None:
+        return None  # the draft only: HF Trainer's default group
+
+    # -- evaluation -------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, model: Eagle3TrainModule, batches: Iterable, tokenizer: Any, prompts: list[list[int]]
+                 ) -> dict[str, float]:
+        """Per-depth top-1 on validation data (teacher-forced text), then per-depth, per-rank hit rates on the
+        target's own greedy continuations of validation prompts, unrolled to method.eval_depth steps."""
+        depth = max(self.m.eval_depth, self.m.ttt_steps)
+        device = model.draft.fc.weight.device
+        sums: dict[str, float] = {}
+        count = 0
+        for i, batch in enumerate(batches):
+            if self.cfg.eval.max_batches is not None and i >= self.cfg.eval.max_batches:
+                break
+            out = self._loss(model, {k: v.to(device) for k, v in batch.items()}, depth)
+            for key, value in out.metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            count += 1
+        metrics = {k: v / count for k, v in sums.items() if k.endswith("top1")} if count else {}
+        if count:
+            metrics["tau_chain"] = chain_tau([metrics[f"step{j + 1}_top1"] for j in range(depth)
+                                              if f"step{j + 1}_top1" in metrics])
+        if prompts:
+            log.info("evaluation: the draft on the target's greedy continuations of %d prompts", len(prompts))
+            counter = RankCounter(depth)
+            for input_ids, attention_mask, labels in greedy_continuations(
+                model.target, prompts, self.cfg.eval.greedy_new_tokens, tokenizer,
+                self.cfg.training.per_device_eval_batch_size
+            ):
+                self._rank_hits(model, input_ids, attention_mask, labels, depth, counter)
+            self.acceptance = counter.table()
+            for j, row in enumerate(self.acceptance):
+                metrics[f"greedy_step{j + 1}_top1"] = row[0]
+                metrics[f"greedy_step{j + 1}_top5"] = sum(row[:5])
+            metrics["greedy_tau_chain"] = chain_tau([row[0] for row in self.acceptance])
+        return metrics
+
+    def _rank_hits(self, model: Eagle3TrainModule, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   labels: torch.Tensor, depth: int, counter: RankCounter) -> None:
+        """Left-padded greedy continuations [B, T]: unroll the draft and record where the target's next greedy
+        token ranked. The unroll assumes right padding, so each row is shifted left first."""
+        rows = []
+        for ids, mask, lab in zip(input_ids, attention_mask, labels):
+            real = mask.bool()
+            rows.append((ids[real], lab[real]))
+        width = max(len(ids) for ids, _ in rows)
+        pad = lambda x, fill: F.pad(x, (0, width - len(x)), value=fill)  # noqa: E731
+        ids = torch.stack([pad(i, 0) for i, _ in rows])
+        mask = torch.stack([pad(torch.ones_like(i), 0) for i, _ in rows])
+        lab = torch.stack([pad(label, IGNORE_INDEX) for _, label in rows])
+        feats = model.target_features(ids, mask, self.layers)
+        hidden = torch.cat([feats[f"layer_{i}"] for i in self.layers], dim=-1)
+        outputs = model.draft.unroll(model.draft.fuse(hidden), model.embed(ids), depth)
+        for j, out in enumerate(outputs):
+            shift = 2 + j
+            if shift >= width:
+                break
+            keep = lab[:, shift:] != IGNORE_INDEX  # greedy tokens: the data is the target's argmax
+            if keep.any():
+                logits = model.draft.logits(out[:, : width - shift][keep]).float()
+                counter.add(j, logits, model.draft.draft_index(lab[:, shift:][keep]))
+
+    def report(self, metrics: dict[str, float]) -> str:
+        """Per-depth acceptance as a table, with the chain τ it implies."""
+        rows = [f"{'':34}{'top-1':>8}{'top-5':>8}"]
+        depth = max(self.m.eval_depth, self.m.ttt_steps)
+        for title, prefix in (("validation data (teacher-forced)", "eval_"),
+                              ("target's greedy continuations", "eval_greedy_")):
+            if f"{prefix}step1_top1" not in metrics:
+                continue
+            rows.append(title)
+            for j in range(1, depth + 1):
+                if f"{prefix}step{j}_top1" in metrics:
+                    top5 = metrics.get(f"{prefix}step{j}_top5", math.nan)
+                    rows.append(f"  {f'depth {j} (token t+{j + 1})':32}{metrics[f'{prefix}step{j}_top1']:8.3f}{top5:8.3f}")
+            rows.append(f"  {'chain tau (tokens / target step)':32}{metrics[f'{prefix}tau_chain']:8.2f}")
+        return "\n".join(rows)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    def save(self, model: Eagle3TrainModule, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None:
+        draft = model.draft
+        if self.acceptance:
+            draft.config = Eagle3Config(**{**draft.config.to_dict(), "acceptance": self.acceptance})
+        save_eagle3(output_dir, draft, self.cfg.model.path, tokenizer=tokenizer, extra=extra,
+                    token_counts=self.token_counts(draft.config.vocab_size))
+
+    def load(self, model: Eagle3TrainModule, checkpoint_dir: Path) -> None:
+        loaded = load_eagle3(checkpoint_dir)
+        model.draft.load_state_dict(loaded.state_dict())
