@@ -240,21 +240,29 @@ def _project(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def _unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], causal: torch.Tensor,
                         scaling: float) -> torch.Tensor:
     """Step j = len(keys) - 1: query t sees keys[0] at <= t (causal) and keys[1..j] at t (its own chain).
-    q [B, H, T, Hd]; keys / values [B, Hkv, T, Hd] each -> [B, T, H * Hd]."""
+    q [B, H, T, Hd]; keys / values [B, Hkv, T, Hd] each -> [B, T, H * Hd]. Step 0 is plain causal attention (torch's
+    fused kernel); later steps add the j chain scores to the causal block's softmax without concatenating the
+    [B, H, T, T] scores (one exp over the block, the running maximum shared)."""
     b, h, t, hd = q.shape
     groups = h // keys[0].shape[1]
+    if len(keys) == 1:
+        out = F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scaling,
+                                             enable_gqa=groups > 1)  # [B, H, T, Hd]
+        return out.transpose(1, 2).reshape(b, t, h * hd)
 
     def heads(x: torch.Tensor) -> torch.Tensor:
         return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
-    k0, v0 = heads(keys[0]), heads(values[0])
-    scores = torch.matmul(q, k0.transpose(-1, -2)) * scaling  # [B, H, T, T]
+    q = q * scaling
+    scores = torch.matmul(q, heads(keys[0]).transpose(-1, -2))  # [B, H, T, T]
     scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-    chain = [(q * heads(k)).sum(-1, keepdim=True) * scaling for k in keys[1:]]  # [B, H, T, 1] each
-    weights = torch.cat([scores, *chain], dim=-1).softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)  # [B, H, T, T + j]
-    out = torch.matmul(weights[..., :t], v0)  # [B, H, T, Hd]
+    chain = torch.stack([(q * heads(k)).sum(-1) for k in keys[1:]], dim=-1)  # [B, H, T, j]
+    top = torch.maximum(scores.amax(-1), chain.amax(-1)).detach()[..., None]  # [B, H, T, 1]
+    block, own = torch.exp(scores - top), torch.exp(chain - top)  # [B, H, T, T], [B, H, T, j]
+    out = torch.matmul(block, heads(values[0]))  # [B, H, T, Hd]
     for i, v in enumerate(values[1:]):
-        out = out + weights[..., t + i : t + i + 1] * heads(v)
+        out = out + own[..., i : i + 1] * heads(v)
+    out = out / (block.sum(-1, keepdim=True) + own.sum(-1, keepdim=True))
     return out.transpose(1, 2).reshape(b, t, h * hd)
 
 

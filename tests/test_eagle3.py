@@ -21,7 +21,7 @@ from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_e
 from tests.conftest import build_tiny_lm, tiny_config
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
-from train.eagle3 import eagle3_loss, soft_targets
+from train.eagle3 import ChainCounter, eagle3_loss, soft_targets
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -229,3 +229,14 @@ def test_checkpoint_round_trip_and_refusals(tmp_path):
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"layers \[7\]"):
         check_eagle3_checkpoint(tmp_path / "ok")
+
+
+def test_chain_acceptance_counts_only_positions_whose_shallower_drafts_were_right():
+    """One row of 6 tokens: step 1 right at t = 0, 2, 3; step 2 (scored at t <= 2) right at 0, 1; step 3 (t <= 1)
+    right at 1 only. Conditional acceptances 3/4, 1/2 (t = 0 of 0, 2), 0/1 (t = 0), so tau = 1 + .75 + .375."""
+    chain = ChainCounter(3)
+    chain.add(0, torch.tensor([[True] * 4]), torch.tensor([True, False, True, True]))
+    chain.add(1, torch.tensor([[True] * 3]), torch.tensor([True, True, False]))
+    chain.add(2, torch.tensor([[True] * 2]), torch.tensor([False, True]))
+    assert chain.accept() == [0.75, 0.5, 0.0]
+    assert chain.metrics()["tau_chain"] == pytest.approx(2.125)

@@ -9,10 +9,11 @@ cache's top-k, or from the target's logits when training online), w = method.sof
 counts where token t+2+j is trained (an assistant token) and, for the soft term, where some of the target's top-k lies
 in the draft vocabulary.
 
-Step j's top-1 agreement with the target's argmax is the acceptance of depth j+1 of a chain whose shallower drafts
-were accepted (greedy decoding); a chain of depth d then yields τ = 1 + Σ_{k≤d} Π_{i≤k} a_i tokens per target step.
-Training logs both; evaluation measures them on the target's own greedy continuations of validation prompts (what the
-engine meets), per rank, and the checkpoint keeps that table for the engine's default tree.
+Step j's top-1 agreement with the target's argmax, counted where the drafts of steps < j at the same position were
+all right, is the acceptance a_j of depth j+1 of a greedy chain; a chain of depth d then yields
+τ = 1 + Σ_{k≤d} Π_{i≤k} a_i tokens per target step (`ChainCounter`). Training logs the marginal top-1, a_j and τ;
+evaluation measures them on the target's own greedy continuations of validation prompts (what the engine meets), per
+rank, and the checkpoint keeps that [depth][rank] table for the engine's default tree.
 Dimension letters: B batch, T time, L fused layers, D hidden, S draft vocabulary, k soft-label width, N positions.
 """
 
@@ -93,7 +94,7 @@ def eagle3_loss(draft: Eagle3Draft, hidden: torch.Tensor, embeds: torch.Tensor, 
     outputs = draft.unroll(draft.fuse(hidden), embeds, steps)  # steps x [B, T, D]
     loss = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
-    survive, tau = 1.0, 1.0
+    chain = ChainCounter(steps)
     for j, out in enumerate(outputs):
         shift = 2 + j  # output j at t predicts token t + 2 + j, the target's distribution at t + 1 + j
         if shift >= t:
@@ -119,31 +120,77 @@ def eagle3_loss(draft: Eagle3Draft, hidden: torch.Tensor, embeds: torch.Tensor, 
             metrics[f"step{j + 1}_hard_loss"] = hard_ce.detach()
             ce = ce + (1 - soft_weight) * hard_ce
         loss = loss + decay ** j * ce
-        accept = (logits.detach().argmax(-1) == reference).float().mean()  # misses where the argmax is outside
-        metrics[f"step{j + 1}_top1"] = accept
-        survive *= float(accept)
-        tau += survive
-    metrics["tau_chain"] = torch.tensor(tau)
+        correct = logits.detach().argmax(-1) == reference  # [N]; a miss where the argmax is outside
+        metrics[f"step{j + 1}_top1"] = correct.float().mean()
+        chain.add(j, keep, correct)
+    metrics.update({k: torch.tensor(v) for k, v in chain.metrics().items()})
     return StepOutput(loss=loss, metrics=metrics)
 
 
+class ChainCounter:
+    """What a chain drafted from each position would get accepted (greedy): step j's draft at t counts only where
+    the drafts of steps < j at t were all right. accept_j = P(step j right | steps < j right); tau = 1 + the mean
+    accepted length, which is 1 + Σ_d Π_{j<d} accept_j."""
+
+    def __init__(self, steps: int) -> None:
+        self.alive: torch.Tensor | None = None  # [B, T] positions whose chain is still accepted
+        self.tried = [0] * steps
+        self.right = [0] * steps
+
+    def add(self, j: int, keep: torch.Tensor, correct: torch.Tensor) -> None:
+        """keep [B, T - 2 - j] positions scored at step j; correct [N] over them."""
+        b, width = keep.shape
+        full = torch.zeros(b, width + 2 + j, dtype=torch.bool, device=keep.device)
+        full[:, :width][keep] = correct
+        scored = torch.zeros_like(full)
+        scored[:, :width] = keep
+        alive = scored if self.alive is None else self.alive[:, : full.shape[1]] & scored
+        self.tried[j] += int(alive.sum())
+        self.right[j] += int((alive & full).sum())
+        self.alive = alive & full
+
+    def accept(self) -> list[float]:
+        return [r / n for r, n in zip(self.right, self.tried) if n]
+
+    def metrics(self) -> dict[str, float]:
+        rates = self.accept()
+        return {**{f"step{j + 1}_accept": a for j, a in enumerate(rates)}, "tau_chain": chain_tau(rates)}
+
+
 class RankCounter:
-    """Per depth: how often the target's token was the draft's rank-r candidate (r < RANKS), over an evaluation."""
+    """Per depth, over an evaluation: where the target's token ranked among the draft's candidates (r < RANKS) at the
+    positions whose chain was accepted so far (every shallower top-1 right): the conditional [depth][rank] hit rates
+    a tree is built from, and the marginal top-1 over every position."""
 
     def __init__(self, depth: int) -> None:
         self.hits = torch.zeros(depth, RANKS, dtype=torch.float64)
         self.counts = torch.zeros(depth, dtype=torch.float64)
+        self.top1 = torch.zeros(depth, 2, dtype=torch.float64)  # [depth] (right, scored) over every position
+        self.chain = ChainCounter(depth)
 
-    def add(self, depth: int, logits: torch.Tensor, reference: torch.Tensor) -> None:
-        """logits [N, S], reference [N] draft ids of the target's token (-1: outside the vocabulary, a miss)."""
+    def start(self) -> None:
+        """A new batch: chains start again."""
+        self.chain.alive = None
+
+    def add(self, j: int, keep: torch.Tensor, logits: torch.Tensor, reference: torch.Tensor) -> None:
+        """keep [B, T - 2 - j] the positions scored at step j; logits [N, S] there; reference [N] the draft id of
+        the target's token (-1: outside the draft vocabulary, a miss)."""
         top = logits.topk(min(RANKS, logits.shape[-1]), dim=-1).indices  # [N, R]
-        hit = top == reference[:, None]
-        self.hits[depth, : top.shape[1]] += hit.double().sum(0).cpu()
-        self.counts[depth] += len(reference)
+        hit = top == reference[:, None]  # [N, R]
+        before = self.chain.alive
+        self.chain.add(j, keep, hit[:, 0])
+        alive = keep if before is None else before[:, : keep.shape[1]] & keep  # [B, T - 2 - j]
+        counted = alive[keep]  # [N] which scored positions still had an accepted chain
+        self.hits[j, : top.shape[1]] += hit[counted].double().sum(0).cpu()
+        self.counts[j] += float(counted.sum())
+        self.top1[j] += torch.tensor([float(hit[:, 0].sum()), float(len(hit))], dtype=torch.float64)
 
     def table(self) -> list[list[float]]:
-        """[depth][rank] hit rates (a depth never seen is all zeros)."""
+        """[depth][rank] conditional hit rates (a depth never reached is all zeros)."""
         return (self.hits / self.counts.clamp(min=1)[:, None]).tolist()
+
+    def marginal_top1(self) -> list[float]:
+        return (self.top1[:, 0] / self.top1[:, 1].clamp(min=1)).tolist()
 
 
 def chain_tau(top1: list[float]) -> float:
@@ -253,10 +300,10 @@ class Method:
             for key, value in out.metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             count += 1
-        metrics = {k: v / count for k, v in sums.items() if k.endswith("top1")} if count else {}
+        metrics = {k: v / count for k, v in sums.items() if k.endswith(("top1", "accept"))} if count else {}
         if count:
-            metrics["tau_chain"] = chain_tau([metrics[f"step{j + 1}_top1"] for j in range(depth)
-                                              if f"step{j + 1}_top1" in metrics])
+            metrics["tau_chain"] = chain_tau([metrics[f"step{j + 1}_accept"] for j in range(depth)
+                                              if f"step{j + 1}_accept" in metrics])
         if prompts:
             log.info("evaluation: the draft on the target's greedy continuations of %d prompts", len(prompts))
             counter = RankCounter(depth)
@@ -266,9 +313,10 @@ class Method:
             ):
                 self._rank_hits(model, input_ids, attention_mask, labels, depth, counter)
             self.acceptance = counter.table()
-            for j, row in enumerate(self.acceptance):
-                metrics[f"greedy_step{j + 1}_top1"] = row[0]
-                metrics[f"greedy_step{j + 1}_top5"] = sum(row[:5])
+            for j, (row, top1) in enumerate(zip(self.acceptance, counter.marginal_top1())):
+                metrics[f"greedy_step{j + 1}_top1"] = top1
+                metrics[f"greedy_step{j + 1}_accept"] = row[0]
+                metrics[f"greedy_step{j + 1}_accept_top5"] = sum(row[:5])
             metrics["greedy_tau_chain"] = chain_tau([row[0] for row in self.acceptance])
         return metrics
 
@@ -288,6 +336,7 @@ class Method:
         feats = model.target_features(ids, mask, self.layers)
         hidden = torch.cat([feats[f"layer_{i}"] for i in self.layers], dim=-1)
         outputs = model.draft.unroll(model.draft.fuse(hidden), model.embed(ids), depth)
+        counter.start()
         for j, out in enumerate(outputs):
             shift = 2 + j
             if shift >= width:
@@ -295,11 +344,11 @@ class Method:
             keep = lab[:, shift:] != IGNORE_INDEX  # greedy tokens: the data is the target's argmax
             if keep.any():
                 logits = model.draft.logits(out[:, : width - shift][keep]).float()
-                counter.add(j, logits, model.draft.draft_index(lab[:, shift:][keep]))
+                counter.add(j, keep, logits, model.draft.draft_index(lab[:, shift:][keep]))
 
     def report(self, metrics: dict[str, float]) -> str:
         """Per-depth acceptance as a table, with the chain τ it implies."""
-        rows = [f"{'':34}{'top-1':>8}{'top-5':>8}"]
+        rows = [f"{'':34}{'top-1':>8}{'accept':>8}{'top-5':>8}   (accept, top-5: where shallower drafts were right)"]
         depth = max(self.m.eval_depth, self.m.ttt_steps)
         for title, prefix in (("validation data (teacher-forced)", "eval_"),
                               ("target's greedy continuations", "eval_greedy_")):
@@ -308,8 +357,10 @@ class Method:
             rows.append(title)
             for j in range(1, depth + 1):
                 if f"{prefix}step{j}_top1" in metrics:
-                    top5 = metrics.get(f"{prefix}step{j}_top5", math.nan)
-                    rows.append(f"  {f'depth {j} (token t+{j + 1})':32}{metrics[f'{prefix}step{j}_top1']:8.3f}{top5:8.3f}")
+                    accept = metrics.get(f"{prefix}step{j}_accept", math.nan)
+                    top5 = metrics.get(f"{prefix}step{j}_accept_top5", math.nan)
+                    rows.append(f"  {f'depth {j} (token t+{j + 1})':32}{metrics[f'{prefix}step{j}_top1']:8.3f}"
+                                f"{accept:8.3f}{top5:8.3f}")
             rows.append(f"  {'chain tau (tokens / target step)':32}{metrics[f'{prefix}tau_chain']:8.2f}")
         return "\n".join(rows)
 
