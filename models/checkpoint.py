@@ -261,6 +261,17 @@ def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def read_json_object(config_file: Path) -> dict[str, Any]:
+    """A JSON object from a file; CheckpointError naming the file when it is not valid JSON or not an object."""
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object")
+    return raw
+
+
 def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     config_file = path / CONFIG_NAME
@@ -268,11 +279,8 @@ def read_drafter_config(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: drafter checkpoint directory not found")
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: missing; {path} is not a complete draftsmith checkpoint")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict) or "drafter_type" not in config:
+    config = read_json_object(config_file)
+    if "drafter_type" not in config:
         raise CheckpointError(f"{config_file}: no 'drafter_type' key; not a draftsmith checkpoint")
     return config
 

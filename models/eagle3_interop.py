@@ -55,6 +55,7 @@ from models.checkpoint import (
     atomic_write_dir,
     draftsmith_version,
     read_drafter_config,
+    read_json_object,
 )
 from models.eagle3 import (
     Eagle3Config,
@@ -260,12 +261,7 @@ def read_foreign_config(config_file: Path) -> dict[str, Any]:
     """The draft's config.json, checked to describe one bias-free Llama layer with the residual before hidden_norm."""
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: missing; not a {ARCHITECTURE} checkpoint")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_file}: expected a JSON object")
+    raw = read_json_object(config_file)
     eagle = raw.get("eagle_config") or {}
     if not isinstance(eagle, dict):
         raise CheckpointError(f"{config_file}: eagle_config must be an object, got {json.dumps(eagle)}")

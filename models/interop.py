@@ -52,6 +52,7 @@ from models.checkpoint import (
     check_compatible,
     load_drafter,
     medusa_config_dict,
+    read_json_object,
     save_drafter,
 )
 from models.builtin import TOKENIZER_COPY_FILES
@@ -211,13 +212,7 @@ def read_medusa_config(path: Path) -> dict[str, Any]:
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         return {}
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_file}: expected a JSON object")
-    return config
+    return read_json_object(config_file)
 
 
 def base_vocab_size(base: str | None) -> int | None:

@@ -7,6 +7,7 @@ a torn later one; scripts/fault_inject.py does the same with real SIGKILLs at ra
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -35,16 +36,19 @@ def inputs(tmp_path_factory) -> tuple[Path, Path]:
     return save_tiny_model(root / "model"), root / "chats.json"
 
 
-def config(model: Path, data: Path, out: Path, *overrides: str):
+METHODS = {"medusa1": ("method.num_heads=2",), "eagle3": ("method.ttt_steps=2", "method.draft_vocab=40")}
+
+
+def configure(model: Path, data: Path, out: Path, *overrides: str, method: str = "medusa1"):
     """7 steps of 4 samples over 10 records (3 steps per epoch): the run crosses epoch boundaries, so the data order
     must survive too, and ends mid-epoch."""
     register_configs()
     with initialize_config_module(config_module="conf", version_base="1.3"):
         return compose(config_name="train", overrides=[
-            "method=medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
+            f"method={method}", *METHODS[method], "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
             f"data.path={data}", "data.max_length=48", "data.validation_fraction=0", "training.max_steps=7",
             "training.save_steps=2", "training.save_total_limit=null", "training.per_device_train_batch_size=4",
-            "training.logging_steps=1", "method.num_heads=2", "eval.greedy_prompts=0", "logger=none",
+            "training.logging_steps=1", "eval.greedy_prompts=0", "logger=none",
             f"output_dir={out}", *overrides,
         ])
 
@@ -58,9 +62,11 @@ def losses(checkpoint: Path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
 
 
-def test_interrupted_then_resumed_equals_uninterrupted(inputs, tmp_path, caplog, single_thread):
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_interrupted_then_resumed_equals_uninterrupted(inputs, tmp_path, caplog, single_thread, method):
     caplog.set_level(logging.INFO, logger="draftsmith")
     model, data = inputs
+    config = functools.partial(configure, method=method)
     full = tmp_path / "full"
     run(config(model, data, full))
     done = full / "checkpoints"

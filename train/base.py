@@ -27,7 +27,7 @@ from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from data.chat import encode_prompt, first_user_turn
 from data.collate import ChatCollator
-from data.datasets import SplitDatasets, build_datasets, load_conversations
+from data.datasets import SplitDatasets, build_datasets, label_counts, load_conversations
 from data.features import FeatureCollator, FeatureDataset, check_cache, read_prompts
 from inference.api import Engine
 from inference.drafters import NoDrafter
@@ -93,6 +93,23 @@ class CountsLabels(Protocol):
     inference's head_vocab shortlist). Called once with the final train dataset, before `build`."""
 
     def count_labels(self, dataset: Any) -> None: ...
+
+
+class TokenCounts:
+    """CountsLabels for a method with a draft vocabulary: the train labels' token frequencies (the S most frequent
+    make the vocabulary), saved with the drafter as token_counts [V]."""
+
+    label_counts: torch.Tensor | None = None  # [<= V] from count_labels
+
+    def count_labels(self, dataset: Any) -> None:
+        self.label_counts = label_counts(dataset)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor | None:
+        """[V] int64, zero past the largest label seen; None before count_labels."""
+        if self.label_counts is None:
+            return None
+        counts = self.label_counts[:vocab_size]
+        return torch.cat([counts, counts.new_zeros(vocab_size - len(counts))])
 
 
 @runtime_checkable

@@ -30,12 +30,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from data.chat import IGNORE_INDEX
-from data.datasets import label_counts
 from data.errors import UsageError
 from models.checkpoint import most_frequent
 from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
 from models.loading import model_config
-from train.base import StepOutput
+from train.base import StepOutput, TokenCounts
 from train.distributed import gathered
 from train.medusa1 import greedy_continuations
 
@@ -202,12 +201,11 @@ def chain_tau(top1: list[float]) -> float:
     return tau
 
 
-class Method:
+class Method(TokenCounts):
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.m = cfg.method
         self.layers = self._layers()
-        self.label_counts: torch.Tensor | None = None
         self.acceptance: list[list[float]] = []  # the last greedy evaluation's [depth][rank] hit rates
 
     def _layers(self) -> tuple[int, ...]:
@@ -226,16 +224,6 @@ class Method:
     def feature_needs(self) -> tuple[list[int], bool]:
         """(layers, soft labels) a feature cache must hold for this run."""
         return list(self.layers), self.m.soft_labels > 0
-
-    def count_labels(self, dataset: Any) -> None:
-        """Token frequencies of the train labels: the draft vocabulary is the S most frequent."""
-        self.label_counts = label_counts(dataset)
-
-    def token_counts(self, vocab_size: int) -> torch.Tensor | None:
-        if self.label_counts is None:
-            return None
-        counts = self.label_counts[:vocab_size]
-        return torch.cat([counts, counts.new_zeros(vocab_size - len(counts))])
 
     def build(self, target: nn.Module, tokenizer: Any) -> Eagle3TrainModule:
         text = target_text_config(target)

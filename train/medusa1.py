@@ -23,12 +23,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from data.collate import left_pad
-from data.datasets import label_counts
 from data.errors import UsageError
 from models.backbone import final_hidden
 from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
-from train.base import StepOutput
+from train.base import StepOutput, TokenCounts
 from train.distributed import gathered
 
 log = logging.getLogger("draftsmith")
@@ -161,21 +160,10 @@ class AccuracyCounter:
         return {k: self.hits[k] / self.counts[k] for k in self.hits}
 
 
-class Method:
+class Method(TokenCounts):
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.m = cfg.method
-        self.label_counts: torch.Tensor | None = None  # [<= V] from count_labels; saved as token_counts [V]
-
-    def count_labels(self, dataset: Any) -> None:
-        """Token frequencies of the train labels, stored with the heads (inference: load(head_vocab=S))."""
-        self.label_counts = label_counts(dataset)
-
-    def token_counts(self, vocab_size: int) -> torch.Tensor | None:
-        if self.label_counts is None:
-            return None
-        counts = self.label_counts[:vocab_size]
-        return torch.cat([counts, counts.new_zeros(vocab_size - len(counts))])
 
     def build(self, target: nn.Module, tokenizer: Any) -> MedusaTrainModule:
         lm_head = target.get_output_embeddings()
