@@ -9,6 +9,9 @@ Dimension letters: B batch, T time, D hidden, V vocab, H heads, R top-k ranks, K
    greedy verification (the engine's own forward_tree and verify_greedy, several K, piecewise-linear in between),
    plus the cost of running the first d heads (each a D x V projection: not free on small models). Cache surgery
    and bookkeeping (~1 ms a step on CPU) are left out, so predictions lean optimistic for tiny models.
+   An EAGLE-3 checkpoint brings its accuracy (the [depth][rank] acceptance its training evaluation measured on the
+   target's greedy continuations of held-out prompts, conditional on the shallower drafts being right); its drafting
+   cost is timed per depth (`measure_eagle3_cost`).
 3. Tree: inference.tree.best_tree_choices over sizes up to --max-nodes and depths up to H, maximising
    expected tokens per step / (t(K) + heads(d)); predicted speedup = that ratio x t(1) (a plain step).
 Writes {"choices": [...], ...measurements} that `--tree tree.json` reads.
@@ -37,6 +40,7 @@ from inference.attention import gqa_attention
 from inference.cpu_kernels import fast_linears
 from inference.devices import input_device
 from inference.drafters import Draft, MedusaDrafter, NoDrafter
+from inference.eagle3 import Eagle3Drafter, Pending
 from inference.generate import DecodeConfig, forward_tree, prefill
 from inference.session import add_model_args, encode_messages, open_session
 from inference.tree import best_tree_choices, build_tree, expected_accept_length
@@ -215,6 +219,39 @@ def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[i
 
 
 @torch.no_grad()
+def measure_eagle3_cost(drafter: Eagle3Drafter, model: torch.nn.Module, context: int, topk: int, reps: int,
+                        max_depth: int) -> tuple[float, ...]:
+    """Seconds of one EAGLE-3 step's drafting to depth d (d = 1..max_depth): reading two committed pairs, then the
+    levels of a top-`topk` tree continued as a chain to depth d, after a prefill of `context` random tokens."""
+    device = input_device(model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+    state = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), DecodeConfig(), False, None,
+                    drafter.feature_layers)
+    costs = []
+    for depth in range(1, max_depth + 1):
+        choices = [(r,) for r in range(topk)] + [(0,) * d for d in range(2, depth + 1)]
+        probe = Eagle3Drafter(drafter.draft, build_tree(choices, depth, topk, device), drafter.embed)
+        state.drafter_state = None
+        probe.propose(state)  # reads the prompt
+        run = state.drafter_state
+        run.cache.crop(-run.drafted)
+        run.valid, run.drafted = run.valid[:, : run.valid.shape[1] - run.drafted], 0
+        last = Pending(state.features[:, -2:], ids[:, -2:], torch.arange(context - 2, context, device=device)[None],
+                       torch.ones(1, 2, dtype=torch.bool, device=device))
+
+        def step() -> None:
+            before = run.valid
+            run.pending = last
+            probe.propose(state)
+            run.cache.crop(before.shape[1] - run.valid.shape[1])  # drop the pairs and the drafts again
+            run.valid, run.drafted = before, 0
+
+        costs.append(_timed(step, reps, device.type == "cuda"))
+    return tuple(costs)
+
+
+@torch.no_grad()
 def measure_head_cost(drafter: Any, topk: int, reps: int, device: torch.device) -> tuple[float, ...]:
     """Seconds of drafting with the first d heads (d = 1..H) at one position, top-`topk` each."""
     heads = drafter.heads
@@ -288,22 +325,33 @@ def run_build_tree(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {out}: folder {out.parent} does not exist")
     session = open_session(args)
     drafter = session.engine.drafter
-    if not isinstance(drafter, MedusaDrafter):
-        raise UsageError(f"--drafter {session.drafter_name}: build-tree needs a Medusa heads checkpoint")
+    if not isinstance(drafter, (MedusaDrafter, Eagle3Drafter)):
+        raise UsageError(f"--drafter {session.drafter_name}: build-tree needs Medusa heads or an EAGLE-3 checkpoint")
     cfg = load_data_config(args.data, {"path": args.data_path, "max_samples": args.max_samples,
                                        "max_length": args.max_length,
                                        "chat_template": session.chat_template if args.source == "data" else None})
-    topk = min(MEDUSA_TOPK, drafter.heads.config.out_size)
-    accuracy, scored = measure_accuracy(session, cfg, args.split, args.source, args.greedy_tokens, args.batch_size,
-                                        topk)
+    if isinstance(drafter, Eagle3Drafter):  # acceptance as its training evaluation measured it (held-out prompts)
+        accuracy = [row[:MEDUSA_TOPK] for row in drafter.draft.config.acceptance]
+        if not accuracy or not any(row[0] for row in accuracy):
+            raise UsageError(f"--drafter {session.drafter_name}: the checkpoint holds no measured acceptance "
+                             "(eagle3.acceptance in config.json; train with eval.greedy_prompts > 0)")
+        topk, scored, source = len(accuracy[0]), 0, "the checkpoint's training evaluation"
+    else:
+        topk = min(MEDUSA_TOPK, drafter.heads.config.out_size)
+        accuracy, scored = measure_accuracy(session, cfg, args.split, args.source, args.greedy_tokens,
+                                            args.batch_size, topk)
+        source = args.source
     forward = measure_forward_cost(session.engine.model, args.context, sizes, args.reps,
                                    cpu_kernel=session.engine.cpu_kernel)
-    head_cost = measure_head_cost(drafter, topk, args.reps, session.engine.device)
+    if isinstance(drafter, Eagle3Drafter):
+        head_cost = measure_eagle3_cost(drafter, session.engine.model, args.context, topk, args.reps, len(accuracy))
+    else:
+        head_cost = measure_head_cost(drafter, topk, args.reps, session.engine.device)
     plan = plan_tree(accuracy, forward.monotone(), head_cost, args.max_nodes)
     print(report(accuracy, forward, head_cost, plan))
     tree = tree_json(plan, accuracy, forward, head_cost, {
         "drafter": session.drafter_name, "base": session.base, "data": cfg.path or cfg.name, "split": args.split,
-        "source": args.source, "sequences_scored": scored, "context": args.context,
+        "source": source, "sequences_scored": scored, "context": args.context,
         "dtype": str(session.engine.model.dtype).removeprefix("torch."), "device": str(session.engine.device),
         "threads": torch.get_num_threads(),
     })

@@ -240,3 +240,13 @@ def test_chain_acceptance_counts_only_positions_whose_shallower_drafts_were_righ
     chain.add(2, torch.tensor([[True] * 2]), torch.tensor([False, True]))
     assert chain.accept() == [0.75, 0.5, 0.0]
     assert chain.metrics()["tau_chain"] == pytest.approx(2.125)
+
+
+def test_build_tree_times_eagle3_drafting_per_depth(tiny_lm):
+    """build-tree's drafting cost for an EAGLE-3 drafter: one positive figure per depth (each timed step drops the
+    pairs and drafts it appended, or later depths would time a growing cache)."""
+    from inference.tree_builder import measure_eagle3_cost
+
+    drafter = Eagle3Drafter(close_draft(tiny_lm), build_tree(TREES["chain"], 3, 1), tiny_lm.get_input_embeddings())
+    costs = measure_eagle3_cost(drafter, tiny_lm, context=12, topk=3, reps=2, max_depth=3)
+    assert len(costs) == 3 and all(c > 0 for c in costs)

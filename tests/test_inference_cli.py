@@ -318,3 +318,28 @@ def test_model_settings_read_conf_model_files_global_or_not():
     assert vicuna["path"] == "lmsys/vicuna-7b-v1.3" and vicuna["chat_template"] == "vicuna_v1.1"
     assert model_settings("/models/x") == {"path": "/models/x", "dtype": None, "chat_template": None}
     assert model_settings("org/model")["dtype"] is None
+
+
+def test_build_tree_for_an_eagle3_checkpoint(assets, capsys, tmp_path):
+    """build-tree on an EAGLE-3 checkpoint: accuracy from its stored acceptance table, its drafting timed per depth;
+    the fitted tree serves and greedy output equals plain decoding."""
+    from models.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3, target_text_config
+
+    model = AutoModelForCausalLM.from_pretrained(assets["model"])
+    text = target_text_config(model)
+    acceptance = [[0.6, 0.2] + [0.01] * 8, [0.5, 0.1] + [0.0] * 8, [0.4, 0.1] + [0.0] * 8]
+    draft = Eagle3Draft(Eagle3Config(target=text, layers=(1, 2), draft_vocab_size=text["vocab_size"],
+                                     acceptance=acceptance))
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(model.lm_head.weight)
+    ckpt = save_eagle3(tmp_path / "eagle3", draft, str(assets["model"]), tokenizer=tiny_tokenizer())
+    tree_file = tmp_path / "tree.json"
+    code, out, err = run(capsys, "build-tree", "--drafter", ckpt, "--max-nodes", "6", "--sizes", "1,3,6", "--reps",
+                         "1", "--context", "16", "--dtype", "fp32", "--out", tree_file)
+    assert code == 0, err
+    written = json.loads(tree_file.read_text())
+    assert written["accuracy"] == acceptance and len(written["head_ms"]) == 3
+    assert written["source"] == "the checkpoint's training evaluation"
+    args = ("--prompt", "hello", "--max-new-tokens", "12")
+    assert generate_json(capsys, "--drafter", ckpt, "--tree", tree_file, *args)["token_ids"] == \
+        generate_json(capsys, "--base", assets["model"], *args)["token_ids"]
