@@ -137,9 +137,10 @@ def hidden_request(needs_hidden: bool, layers: tuple[int, ...]) -> dict[str, lis
     return {"output_hidden_states": wanted} if wanted else {}
 
 
-def layer_features(out: Any, layers: tuple[int, ...]) -> torch.Tensor | None:
-    """[B, Q, L*D]: the requested hidden states of a forward's output, concatenated in `layers` order."""
-    return torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
+def layer_features(out: Any, layers: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """[B, Q, L*D]: the requested hidden states of a forward's output, concatenated in `layers` order on `device`
+    (the state's: a target split by device_map returns each layer's states from its own device)."""
+    return torch.cat([out.hidden_states[i].to(device) for i in layers], dim=-1) if layers else None
 
 
 def prefill(
@@ -167,7 +168,7 @@ def prefill(
         generated=[[t] for t in root.tolist()],
         sampling=config.sampling,
         generator=generator,
-        features=layer_features(out, layers),
+        features=layer_features(out, layers, input_ids.device),
     )
 
 
@@ -184,7 +185,7 @@ def forward_tree(
         **hidden_request(needs_hidden, layers),
     )
     if layers:
-        state.features = layer_features(out, layers)
+        state.features = layer_features(out, layers, draft.tokens.device)
     return out.logits, (out.hidden_states[-1] if needs_hidden else None)
 
 

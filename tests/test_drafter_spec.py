@@ -39,7 +39,7 @@ def test_command_line_pairs_append_to_the_spec():
 
 def test_a_name_is_a_drafter_unless_a_path_holds_it(tmp_path, monkeypatch):
     assert spec_names() == ["none", "jacobi", "lookahead", "prompt_lookup"]
-    assert {n for n, k in DRAFTERS.items() if k.checkpoint} == {"medusa", "draft_model", "cllm"}
+    assert {n for n, k in DRAFTERS.items() if k.checkpoint} == {"medusa", "draft_model", "eagle3", "cllm"}
     assert named_spec("lookahead:draft_nodes=31") == DrafterSpec("lookahead", (("draft_nodes", "31"),))
     assert named_spec("builtin:tiny") is None and named_spec(None) is None
     monkeypatch.chdir(tmp_path)
@@ -98,13 +98,13 @@ def test_resolve_failures_are_one_line_naming_the_argument(drafter, base, naming
 def test_a_checkpoint_of_an_unserved_type_names_its_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"drafter_type": "lookahead", "base_model_name_or_path": "b"}))
     with pytest.raises(CheckpointError, match=r"config\.json: drafter_type 'lookahead' is not served \(known: cllm, "
-                                               r"draft_model, medusa\)"):
+                                               r"draft_model, eagle3, medusa\)"):
         resolve(str(tmp_path))
 
 
 @pytest.mark.parametrize("drafter, options, message", [
     (None, LoadOptions(tree="chain"), "--tree does not apply to plain decoding (no drafter); it applies to "
-                                      "draft_model, medusa"),
+                                      "draft_model, eagle3, medusa"),
     ("lookahead", LoadOptions(draft_stop="fixed"), "--draft-stop does not apply to drafter 'lookahead'; it applies "
                                                    "to draft_model"),
     ("builtin:tiny-draft", LoadOptions(head_vocab=64), "--head-vocab does not apply to a plain causal LM (a draft "

@@ -20,7 +20,6 @@ Dimension letters: B batch, T time, L fused layers, D hidden, S draft vocabulary
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -345,10 +344,9 @@ class Method(TokenCounts):
             rows.append(title)
             for j in range(1, depth + 1):
                 if f"{prefix}step{j}_top1" in metrics:
-                    accept = metrics.get(f"{prefix}step{j}_accept", math.nan)
-                    top5 = metrics.get(f"{prefix}step{j}_accept_top5", math.nan)
-                    rows.append(f"  {f'depth {j} (token t+{j + 1})':32}{metrics[f'{prefix}step{j}_top1']:8.3f}"
-                                f"{accept:8.3f}{top5:8.3f}")
+                    cells = [metrics.get(f"{prefix}step{j}_{key}") for key in ("top1", "accept", "accept_top5")]
+                    rows.append(f"  {f'depth {j} (token t+{j + 1})':32}"
+                                + "".join(f"{c:8.3f}" if c is not None else f"{'':8}" for c in cells))
             rows.append(f"  {'chain tau (tokens / target step)':32}{metrics[f'{prefix}tau_chain']:8.2f}")
         return "\n".join(rows)
 
