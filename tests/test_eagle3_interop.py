@@ -9,7 +9,6 @@ target-vocabulary logits from it; every malformed input is refused with one line
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

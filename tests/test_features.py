@@ -85,8 +85,8 @@ def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_manifest_counts_every_sample_and_token(full_cache):
-    manifest = check_cache(full_cache, need_layers=[1], need_topk=True)
-    assert manifest.complete and manifest.topk == 400 and manifest.layers == [1]
+    manifest = check_cache(full_cache, need_layers=[1, 2], need_topk=True)
+    assert manifest.complete and manifest.topk == 400 and manifest.layers == [1, 2]
     for split in ("train", "validation"):
         dataset = FeatureDataset(full_cache, split)
         assert len(dataset) == manifest.samples[split]
@@ -171,7 +171,7 @@ def test_rerun_resumes_at_the_first_missing_shard(model_dir, data_file, tmp_path
 def test_a_cache_for_another_layer_set_or_target_is_refused(model_dir, other_model_dir, data_file, full_cache, tmp_path):
     result = extract(model_dir, data_file, full_cache, "method.topk=400", "method.layers=[2]", expect_ok=False)
     assert result.returncode == 1
-    assert "features.layers=[1], this run asks for [2]" in result.stderr.strip().splitlines()[-1]
+    assert "features.layers=[1, 2], this run asks for [2]" in result.stderr.strip().splitlines()[-1]
     result = run([sys.executable, "-m", "train", "medusa1", "+model=tiny", f"model.path={other_model_dir}",
                   "model.dtype=fp32", "data=sharegpt", "data.self_distill=false", f"data.features={full_cache}",
                   "logger=none", f"output_dir={tmp_path / 'heads'}"], expect_ok=False)
@@ -271,7 +271,7 @@ def test_two_ranks_write_the_cache_one_process_writes(model_dir, data_file, full
     out = tmp_path / "two"
     launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                 "-m", "train")
-    extract(model_dir, data_file, out, "method.topk=400", "method.layers=[1]", launcher=launcher)
+    extract(model_dir, data_file, out, "method.topk=400", "method.layers=[1,2]", launcher=launcher)
     assert Manifest.read(out).complete
     one, two = shard_tensors(full_cache), shard_tensors(out)
     assert one.keys() == two.keys()
@@ -280,7 +280,8 @@ def test_two_ranks_write_the_cache_one_process_writes(model_dir, data_file, full
             torch.testing.assert_close(two[name][key], one[name][key], rtol=0, atol=1e-6, msg=f"{name}:{key}")
 
 
-@pytest.mark.parametrize("method, experiment", [("features", "sharegpt_features"), ("medusa1", "sharegpt_medusa1")])
+@pytest.mark.parametrize("method, experiment", [("features", "sharegpt_features"), ("medusa1", "sharegpt_medusa1"),
+                                                ("eagle3", "sharegpt_eagle3")])
 def test_the_sharegpt_recipes_compose_over_a_models_data_recipe(method, experiment, tmp_path):
     from hydra import compose, initialize_config_module
 
@@ -288,7 +289,7 @@ def test_the_sharegpt_recipes_compose_over_a_models_data_recipe(method, experime
 
     register_configs()
     overrides = [f"method={method}", "+model=smollm2", f"+experiment={experiment}", f"output_dir={tmp_path / 'out'}"]
-    if method == "medusa1":
+    if method != "features":
         overrides.append(f"data.features={tmp_path}")
     check_overrides(overrides)
     with initialize_config_module(config_module="conf", version_base="1.3"):
@@ -301,5 +302,6 @@ def test_an_unknown_experiment_is_one_line(tmp_path):
     from data.errors import UsageError
 
     register_configs()
-    with pytest.raises(UsageError, match=r"^unknown experiment 'nope'; available: sharegpt_features, sharegpt_medusa1"):
+    with pytest.raises(UsageError, match=r"^unknown experiment 'nope'; available: sharegpt_eagle3, sharegpt_features, "
+                       r"sharegpt_medusa1"):
         check_overrides(["method=medusa1", "+model=tiny", "+experiment=nope", f"output_dir={tmp_path}"])
