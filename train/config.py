@@ -232,7 +232,8 @@ class Eagle3MethodConfig:
     # S: the draft predicts over the S most frequent train-label tokens; null: min(32000, V) (EAGLE-3's size)
     draft_vocab: Optional[int] = None
     soft_labels: float = 1.0  # w: w · CE(target's distribution) + (1 - w) · CE(data's next token)
-    init_from_lm_head: bool = True  # start the draft lm_head as the target's rows for the draft vocabulary
+    # start as the target's own head: lm_head rows and final norm copied, fc passing the highest fused layer through
+    init_from_lm_head: bool = True
     eval_depth: int = 6  # steps unrolled when evaluating (per-depth acceptance for the engine's default tree)
 
 
