@@ -21,6 +21,7 @@ Rows accepting different counts leave holes (invalid slots), as in inference.cac
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ def plan_levels(tree: TreeBuffers) -> list[Level]:
     """The per-level forwards of a tree: level 0 is the root (queried by the pending pairs), level d >= 1 the nodes at
     depth d that have children. A query's visible slots are its expanded ancestors (every ancestor has children)."""
     parent, depth, rank = tree.parent.tolist(), tree.depth.tolist(), tree.rank.tolist()
+    device = tree.depth.device
     has_children = {p for p in parent[1:]}
     levels: list[Level] = []
     slot: dict[int, int] = {}  # node -> this step's draft slot
@@ -77,13 +79,14 @@ def plan_levels(tree: TreeBuffers) -> list[Level]:
             slot.update({node: width + q for q, node in enumerate(queries)})
         index = {node: q for q, node in enumerate(queries)}
         children = [n for n in range(tree.num_nodes) if depth[n] == d + 1]
+        as_index = functools.partial(torch.tensor, dtype=torch.long, device=device)
         levels.append(Level(
             queries=queries,
-            parent_query=torch.tensor([previous.index(parent[n]) for n in queries] if d else [0]),
-            visible=visible,
-            children=torch.tensor(children, dtype=torch.long),
-            child_query=torch.tensor([index[parent[n]] for n in children], dtype=torch.long),
-            child_rank=torch.tensor([rank[n] for n in children], dtype=torch.long),
+            parent_query=as_index([previous.index(parent[n]) for n in queries] if d else [0]),
+            visible=visible.to(device),
+            children=as_index(children),
+            child_query=as_index([index[parent[n]] for n in children]),
+            child_rank=as_index([rank[n] for n in children]),
         ))
         previous = queries
     return levels
@@ -143,10 +146,8 @@ class Eagle3Drafter:
         self.tree = tree
         self.embed = embed
         self.feature_layers = tuple(draft.config.layers)
-        device = tree.depth.device
-        self.levels = [Level(lv.queries, lv.parent_query.to(device), lv.visible.to(device), lv.children.to(device),
-                             lv.child_query.to(device), lv.child_rank.to(device)) for lv in plan_levels(tree)]
-        self.vocab = draft.vocab_ids.to(device)  # [S] draft id -> target id
+        self.levels = plan_levels(tree)
+        self.vocab = draft.vocab_ids.to(tree.depth.device)  # [S] draft id -> target id
 
     def propose(self, state: DecodeState) -> Draft:
         if state.features is None:

@@ -35,7 +35,7 @@ from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3
 from models.loading import model_config
 from train.base import StepOutput, TokenCounts
 from train.distributed import gathered
-from train.medusa1 import greedy_continuations
+from train.medusa1 import greedy_continuations, spread_topk
 
 log = logging.getLogger("draftsmith")
 
@@ -58,25 +58,23 @@ class Eagle3TrainModule(nn.Module):
             return self.target.get_input_embeddings()(input_ids).to(self.draft.fc.weight.dtype)
 
     @torch.no_grad()
-    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]
-                        ) -> dict[str, torch.Tensor]:
-        """Online (no cache): the target's layers [B, T, D] each and its top-k next-token distribution [B, T, k], as
-        a feature cache would hold them."""
-        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=list(layers))
-        top = out.logits.float().softmax(-1).topk(SOFT_TOPK, dim=-1)
+    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...],
+                        soft: bool = True) -> dict[str, torch.Tensor]:
+        """Online (no cache): the target's layers [B, T, D] each and, with `soft`, its top-k next-token distribution
+        [B, T, k], as a feature cache would hold them."""
+        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=list(layers),
+                          logits_to_keep=0 if soft else 1)
         batch = {f"layer_{i}": out.hidden_states[i].float() for i in layers}
+        if not soft:
+            return batch
+        top = out.logits.float().softmax(-1).topk(SOFT_TOPK, dim=-1)
         return {**batch, "topk_ids": top.indices, "topk_probs": top.values}
 
 
 def soft_targets(draft: Eagle3Draft, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids / topk_probs [N, k] -> (probabilities over the draft vocabulary [N, S], renormalised over the ids
     inside it; whether any mass fell inside [N])."""
-    index = draft.draft_index(topk_ids)  # [N, k]; -1 outside
-    inside = index >= 0
-    dense = topk_probs.new_zeros(len(index), draft.config.draft_vocab_size)
-    dense.scatter_add_(1, index.clamp_min(0), torch.where(inside, topk_probs, torch.zeros_like(topk_probs)))
-    mass = dense.sum(-1, keepdim=True)
-    return dense / mass.clamp_min(1e-12), mass[:, 0] > 0
+    return spread_topk(draft.draft_index(topk_ids), topk_probs, draft.config.draft_vocab_size)
 
 
 def eagle3_loss(draft: Eagle3Draft, hidden: torch.Tensor, embeds: torch.Tensor, labels: torch.Tensor,
@@ -135,8 +133,9 @@ class ChainCounter:
         self.tried = [0] * steps
         self.right = [0] * steps
 
-    def add(self, j: int, keep: torch.Tensor, correct: torch.Tensor) -> None:
-        """keep [B, T - 2 - j] positions scored at step j; correct [N] over them."""
+    def add(self, j: int, keep: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+        """keep [B, T - 2 - j] positions scored at step j; correct [N] over them. Returns which of the N still had an
+        accepted chain (the ones this step counts)."""
         b, width = keep.shape
         full = torch.zeros(b, width + 2 + j, dtype=torch.bool, device=keep.device)
         full[:, :width][keep] = correct
@@ -146,6 +145,7 @@ class ChainCounter:
         self.tried[j] += int(alive.sum())
         self.right[j] += int((alive & full).sum())
         self.alive = alive & full
+        return alive[:, :width][keep]
 
     def accept(self) -> list[float]:
         return [r / n for r, n in zip(self.right, self.tried) if n]
@@ -175,10 +175,7 @@ class RankCounter:
         the target's token (-1: outside the draft vocabulary, a miss)."""
         top = logits.topk(min(RANKS, logits.shape[-1]), dim=-1).indices  # [N, R]
         hit = top == reference[:, None]  # [N, R]
-        before = self.chain.alive
-        self.chain.add(j, keep, hit[:, 0])
-        alive = keep if before is None else before[:, : keep.shape[1]] & keep  # [B, T - 2 - j]
-        counted = alive[keep]  # [N] which scored positions still had an accepted chain
+        counted = self.chain.add(j, keep, hit[:, 0])  # [N] which scored positions still had an accepted chain
         self.hits[j, : top.shape[1]] += hit[counted].double().sum(0).cpu()
         self.counts[j] += float(counted.sum())
         self.top1[j] += torch.tensor([float(hit[:, 0].sum()), float(len(hit))], dtype=torch.float64)
@@ -320,7 +317,7 @@ class Method(TokenCounts):
         ids = torch.stack([pad(i, 0) for i, _ in rows])
         mask = torch.stack([pad(torch.ones_like(i), 0) for i, _ in rows])
         lab = torch.stack([pad(label, IGNORE_INDEX) for _, label in rows])
-        feats = model.target_features(ids, mask, self.layers)
+        feats = model.target_features(ids, mask, self.layers, soft=False)  # the labels are the greedy tokens
         hidden = torch.cat([feats[f"layer_{i}"] for i in self.layers], dim=-1)
         outputs = model.draft.unroll(model.draft.fuse(hidden), model.embed(ids), depth)
         counter.start()

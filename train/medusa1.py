@@ -124,11 +124,17 @@ class CachedSoftLabels:
         self.width = heads.config.out_size
 
     def __call__(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        index, probs = self.index[b, t], self.probs[b, t].float()  # [n, k] each
-        inside = index >= 0
-        dense = probs.new_zeros(len(b), self.width)  # [n, V|S]
-        dense.scatter_add_(1, index.clamp_min(0), torch.where(inside, probs, torch.zeros_like(probs)))
-        return dense / dense.sum(-1, keepdim=True).clamp_min(1e-12)
+        return spread_topk(self.index[b, t], self.probs[b, t].float(), self.width)[0]
+
+
+def spread_topk(index: torch.Tensor, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k probabilities [n, k] at positions `index` [n, k] of a drafter's vocabulary (-1: outside it) -> (a dense
+    distribution [n, width], renormalised over the ids inside; whether any mass fell inside [n])."""
+    inside = index >= 0
+    dense = probs.new_zeros(len(index), width)
+    dense.scatter_add_(1, index.clamp_min(0), torch.where(inside, probs, torch.zeros_like(probs)))
+    mass = dense.sum(-1, keepdim=True)
+    return dense / mass.clamp_min(1e-12), mass[:, 0] > 0
 
 
 def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
