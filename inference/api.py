@@ -1,4 +1,11 @@
-"""One call to serve any drafter: `engine = load(drafter_path); engine.generate(prompt_ids)`.
+"""One call to serve any drafter: `engine = load(drafter_path)`, then text in, text out.
+
+    engine = load("outputs/medusa1/tiny")            # base model, tokenizer and chat template from the checkpoint
+    engine.generate("Write a haiku about tea.")       # -> str (the chat template applied; raw=True skips it)
+    engine.generate([{"role": "user", "content": "Hi"}])  # a conversation -> str
+    engine.generate(["First prompt", "Second prompt"])    # a batch -> list[str]
+    for piece in engine.stream("Tell me a story"): ...   # text as it is decoded
+    engine.generate(prompt_ids)                        # token ids in -> GenerationOutput (ids and stats)
 
 The checkpoint's config.json names the drafter type ("drafter_type") and the base model it was trained for
 ("base_model_name_or_path"); `load` resolves the argument and builds the drafter through the one registry,
@@ -7,32 +14,53 @@ inference.registry.DRAFTERS, so a new drafter type adds one entry there and keep
 
 from __future__ import annotations
 
+import queue
+import threading
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from data.chat import encode_prompt
 from data.collate import left_pad
+from data.templates import TEMPLATES
 from inference.devices import input_device
 from inference.drafters import Drafter
 from inference.generate import DecodeConfig, GenerationOutput, generate
 from inference.registry import API, MEDUSA_TOPK, DrafterRequest, LoadOptions, resolve
+from inference.textstream import TextStream
 from inference.tree import TreeBuffers
 from inference.verify import SamplingParams
 from models.checkpoint import load_drafter_target
 from models.backbone import eos_token_ids
 from models.builtin import model_settings
-from models.loading import load_target
+from models.loading import TOKENIZER_FILES, load_target, load_tokenizer
+
+Message = dict[str, str]
+TextPrompt = str | Sequence[Message]  # one user message, or a conversation of {"role", "content"} messages
+_DONE = object()  # Engine.stream's end-of-generation marker
+
+
+def is_text_prompt(prompt: Any) -> bool:
+    """A user message (str) or a conversation (a non-empty list of {"role", "content"} dicts), not token ids."""
+    return isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+                                       and all(isinstance(m, dict) for m in prompt))
+
 
 class Engine:
-    """A target model and its drafter, ready to generate. Build with `load`."""
+    """A target model, its drafter, and the tokenizer and chat template that turn text into prompts. Build with
+    `load`. `generate` takes text (a prompt, a conversation, or a list of either) and returns text; it takes token
+    ids too and then returns a GenerationOutput, ids and statistics, as the engine's loop makes them."""
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, drafter_config: dict[str, Any] | None = None,
-                 cpu_kernel: bool = True) -> None:
+                 cpu_kernel: bool = True, tokenizer: Any = None, chat_template: str | None = None) -> None:
         self.model = model
         self.drafter = drafter
         self.drafter_config = drafter_config
         self.cpu_kernel = cpu_kernel  # few-row bf16 CPU linears through inference.cpu_kernels (False: stock only)
+        self.tokenizer = tokenizer  # None: ids only
+        self.chat_template = chat_template  # a shipped template name or Jinja string; None: the tokenizer's own
 
     @property
     def device(self) -> torch.device:
@@ -44,6 +72,91 @@ class Engine:
         return getattr(self.drafter, "tree", None)
 
     def generate(
+        self,
+        prompt: TextPrompt | Sequence[TextPrompt] | torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        acceptance: str = "exact",
+        stop: Sequence[str | Sequence[int]] = (),
+        ignore_eos: bool = False,
+        stream: Callable[[int, list[int]], bool | None] | None = None,
+        seed: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        raw: bool = False,
+        return_output: bool = False,
+    ) -> str | list[str] | GenerationOutput:
+        """Generate a reply.
+
+        Text in, text out: `prompt` is a user message (str), a conversation ([{"role", "content"}, ...]) or a list of
+        those (a batch, any lengths); the chat template is applied (`raw=True`: a str prompt is plain text instead)
+        and the reply comes back as a str, or a list of str for a list. `stop` strings end a reply where its text
+        holds one, whatever tokens spell it; the text ends before it. `return_output=True` returns the
+        GenerationOutput instead, its `texts` filled in.
+
+        Token ids in ([T] ids, a [B, T] tensor, or a list of id lists of any lengths, left-padded here): the
+        GenerationOutput, `stop` then holds id sequences and `stream(row, new_tokens)` sees each row's tokens as they
+        are committed (returning True stops that row).
+
+        acceptance="exact" is lossless (greedy at temperature 0, rejection sampling above); "typical" is Medusa's
+        LOSSY typical acceptance. Stops at the model's EOS ids unless `ignore_eos`."""
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      acceptance=acceptance, ignore_eos=ignore_eos, seed=seed)
+        if not self._is_text(prompt):
+            if raw or return_output or any(isinstance(s, str) for s in stop):
+                raise ValueError("generate: raw=, return_output= and stop strings apply to text prompts; "
+                                 "token ids take stop id sequences")
+            return self.generate_ids(prompt, stop=stop, stream=stream, attention_mask=attention_mask, **kwargs)
+        if stream is not None or attention_mask is not None:
+            raise ValueError("generate: stream= and attention_mask= apply to token ids; "
+                             "engine.stream(prompt) streams text")
+        batched = not is_text_prompt(prompt)
+        rows = [self.encode(p, raw) for p in (prompt if batched else [prompt])]
+        streams = [TextStream(self.tokenizer, self._stop_strings(stop)) for _ in rows]
+        out = self.generate_ids(rows, stop=self._stop_ids(stop), stream=lambda row, ids: streams[row](row, ids),
+                                **kwargs)
+        finished = [s.finish(ids) for s, ids in zip(streams, out.sequences)]
+        texts = [text for text, _ in finished]
+        if return_output:
+            return replace(out, sequences=[ids for _, ids in finished], texts=texts)
+        return texts if batched else texts[0]
+
+    def stream(self, prompt: TextPrompt, raw: bool = False, stop: Sequence[str] = (), **kwargs: Any) -> Iterator[str]:
+        """Yield the reply to one text prompt (as `generate` takes it) piece by piece, as its tokens are accepted:
+        only text that can no longer change (no half of a multi-byte character, nothing that may become a stop
+        string). The loop runs in a worker thread; leaving the iteration early stops it after its current step.
+        Keyword arguments are `generate`'s sampling options (max_new_tokens, temperature, seed, ...)."""
+        if not is_text_prompt(prompt):
+            raise ValueError("stream: takes one text prompt (a str or a list of messages); "
+                             "generate(prompt_ids, stream=callback) streams token ids")
+        ids = self.encode(prompt, raw)
+        pieces: queue.Queue = queue.Queue()
+        text = TextStream(self.tokenizer, self._stop_strings(stop), emit=pieces.put)
+        cancelled = threading.Event()
+
+        def work() -> None:
+            try:
+                out = self.generate_ids([ids], stop=self._stop_ids(stop),
+                                        stream=lambda row, new: text(row, new) or cancelled.is_set(), **kwargs)
+                text.finish(out.sequences[0])
+            except BaseException as err:  # handed to the caller's thread
+                pieces.put(err)
+            finally:
+                pieces.put(_DONE)
+
+        worker = threading.Thread(target=work, name="draftsmith-stream", daemon=True)
+        worker.start()
+        try:
+            while (item := pieces.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancelled.set()
+            worker.join()
+
+    def generate_ids(
         self,
         prompt_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
         max_new_tokens: int = 128,
@@ -57,10 +170,7 @@ class Engine:
         seed: int | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> GenerationOutput:
-        """Generate from one prompt ([T] ids) or a batch ([B, T] tensor, or a list of id lists of any lengths,
-        left-padded here). acceptance="exact" is lossless (greedy at temperature 0, rejection sampling above);
-        "typical" is Medusa's LOSSY typical acceptance. Stops at the model's EOS ids unless `ignore_eos`, and after
-        any `stop` id sequence, or where `stream(row, new_tokens)` returns True."""
+        """`generate` for token ids: see there."""
         input_ids, attention_mask = self._batch(prompt_ids, attention_mask)
         eos = () if ignore_eos else eos_token_ids(self.model)
         config = DecodeConfig(
@@ -76,6 +186,41 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         return generate(self.model, input_ids, self.drafter, config, attention_mask, stream, generator)
 
+    def encode(self, prompt: TextPrompt, raw: bool = False) -> list[int]:
+        """Prompt ids of a user message or a conversation, with the chat template and its generation prompt
+        (`raw=True`: a str as plain text, the tokenizer's special tokens added)."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids, or load(..., tokenizer=PATH)")
+        if raw:
+            if not isinstance(prompt, str):
+                raise ValueError("raw=True takes a str prompt, not a conversation")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"the tokenizer has no chat template: load(..., chat_template=NAME) "
+                                 f"({', '.join(sorted(TEMPLATES))} or a Jinja string), or generate(..., raw=True)")
+            ids = encode_prompt(self.tokenizer, messages, self.chat_template)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        return ids
+
+    def _is_text(self, prompt: Any) -> bool:
+        if is_text_prompt(prompt):
+            return True
+        return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(is_text_prompt(p) for p in prompt)
+
+    @staticmethod
+    def _stop_strings(stop: Sequence[Any]) -> list[str]:
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop: text prompts take non-empty stop strings")
+        return list(stop)
+
+    def _stop_ids(self, stop: Sequence[str]) -> list[list[int]]:
+        """Each stop string's own tokens, so the loop ends a row there too when the model spells it that way."""
+        encoded = (self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stop)
+        return [list(ids) for ids in encoded if ids]
+
     def _batch(self, prompt_ids: Any, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(prompt_ids, torch.Tensor):
             ids = prompt_ids if prompt_ids.dim() == 2 else prompt_ids[None]
@@ -89,7 +234,7 @@ class Engine:
 def load(
     drafter_path: str | Path | DrafterRequest | None = None,
     base: str | None = None,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     device: str | torch.device = "cpu",
     tree: str | Path | Sequence[Sequence[int]] | None = None,
     topk: int = MEDUSA_TOPK,
@@ -101,48 +246,86 @@ def load(
     offload_folder: str | Path | None = None,
     draft_stop: str | None = None,
     head_vocab: int | None = None,
+    tokenizer: str | Path | None = None,
+    chat_template: str | None = None,
 ) -> Engine:
-    """Load a base model and (optionally) a drafter into an Engine.
+    """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
     `drafter_path` is anything inference.registry.resolve names: a draftsmith checkpoint directory, a plain causal
     LM sharing the base's tokenizer (a model directory, "builtin:<name>" or "early_exit:<model>:<N>": it drafts as a
     draft model; `tree="chain:<n>"` sets the draft length), a drafter spec ("prompt_lookup", "jacobi:n=32", ...),
     None for plain autoregressive decoding through the same loop (the baseline), or a request already resolved.
     `base` defaults to the checkpoint's base_model_name_or_path; a model name of conf/model ("tiny", "smollm2",
-    "vicuna7b") means what it means on the command line. `tree` is a tree spec for tree drafters (see
-    inference.tree.load_tree); None uses the shipped default for the drafter's head count. `tp_plan="auto"` under
-    torchrun shards the target tensor-parallel across the processes (`device` is then each process's own device);
-    every process runs the same loop and returns the same tokens. `device_map` ("auto", "balanced", a dict or a JSON
-    file, see models.loading.resolve_device_map) splits a target too big for one device across several (accelerate
-    dispatch; "disk" entries need `offload_folder`); `device` is then unused: the engine works on the input
-    embeddings' device and Medusa heads sit on the lm_head's. `draft_stop` (draft models only: "fixed",
-    "confidence:<t>", "learned[:<t>]", see inference.draft_stop) sets when drafting stops; by default a checkpoint's
-    learned stopper is used when it has one. `head_vocab=S` (Medusa heads only) lets the heads draft only the S
-    tokens most frequent in their training data (the checkpoint's token_counts.safetensors): a cheaper projection,
-    the same lossless verification. Every argument is checked before any model loads."""
+    "vicuna7b") means what it means on the command line. `dtype` defaults to the one the drafter was trained in, else
+    the conf/model's, else bf16. `tokenizer` defaults to the checkpoint's own (when `base` is not overridden), else the
+    base model's; `chat_template` (a shipped template name or a Jinja string) to the conf/model's, else the one the
+    drafter was trained with, else the tokenizer's own.
+
+    `tree` is a tree spec for tree drafters (see inference.tree.load_tree); None uses the shipped default for the
+    drafter's head count. `tp_plan="auto"` under torchrun shards the target tensor-parallel across the processes
+    (`device` is then each process's own device); every process runs the same loop and returns the same tokens.
+    `device_map` ("auto", "balanced", a dict or a JSON file, see models.loading.resolve_device_map) splits a target
+    too big for one device across several (accelerate dispatch; "disk" entries need `offload_folder`); `device` is
+    then unused: the engine works on the input embeddings' device and Medusa heads sit on the lm_head's. `draft_stop`
+    (draft models only: "fixed", "confidence:<t>", "learned[:<t>]", see inference.draft_stop) sets when drafting
+    stops; by default a checkpoint's learned stopper is used when it has one. `head_vocab=S` (Medusa heads only) lets
+    the heads draft only the S tokens most frequent in their training data (the checkpoint's
+    token_counts.safetensors): a cheaper projection, the same lossless verification. Every argument is checked, and
+    the tokenizer loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
     options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab)
     request.check(options, API)
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
+    settings = model_settings(base or request.base)  # a model name ("tiny", "smollm2") as the command line takes it
+    text = load_text_side(request, settings, base_overridden=base is not None, tokenizer=tokenizer,
+                          chat_template=chat_template, trust_remote_code=trust_remote_code)
+    dtype = dtype or trained_setting(request.config, "dtype", ("model",)) or settings["dtype"] or "bf16"
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
                          trust_remote_code=trust_remote_code, tp_plan=tp_plan, device_map=device_map,
                          offload_folder=offload_folder)
-    base = model_settings(base or request.base)["path"]  # a model name ("tiny", "smollm2") as the command line takes it
     if request.config is not None and request.config.get("backbone"):  # a fine-tuned target (Medusa-2, CLLM)
-        model = load_drafter_target(request.path, base, **target_kwargs)
+        model = load_drafter_target(request.path, settings["path"], **target_kwargs)
     else:
-        model = load_target(base, **target_kwargs)
+        model = load_target(settings["path"], **target_kwargs)
     if quantization in (None, "none") and tp_plan is None and device_map is None:  # those place the weights themselves
         model.to(device)
-    return attach(request, model, options)
+    return attach(request, model, options, *text)
 
 
-def attach(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions | None = None) -> Engine:
+def attach(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions | None = None,
+           tokenizer: Any = None, chat_template: str | None = None) -> Engine:
     """An Engine for a target already loaded (`model`, e.g. shared by several drafters in one benchmark) and the
-    drafter `request` names; a request whose checkpoint carries its own fine-tuned target needs `load` instead."""
+    drafter `request` names; a request whose checkpoint carries its own fine-tuned target needs `load` instead.
+    Without a `tokenizer` the engine takes token ids only."""
     options = options or LoadOptions()
     request.check(options, API)
     drafter = request.build(model, options, input_device(model))
     config = request.config if request.config is not None or request.type == "none" else {"drafter_type": request.label}
-    return Engine(model, drafter, config)
+    return Engine(model, drafter, config, tokenizer=tokenizer, chat_template=chat_template)
+
+
+def load_text_side(request: DrafterRequest, settings: dict[str, Any], base_overridden: bool,
+                   tokenizer: str | Path | None = None, chat_template: str | None = None,
+                   trust_remote_code: bool = False) -> tuple[Any, str | None]:
+    """(tokenizer, chat template) for the engine `load` builds: the given ones, else the checkpoint's own tokenizer
+    (unless the base was overridden: the base's then), else the base model's; the template of the conf/model, else
+    the drafter's training run, else None (the tokenizer's own)."""
+    if tokenizer is None:
+        own = request.config is not None and not base_overridden and request.path is not None \
+            and any((Path(request.path) / f).is_file() for f in TOKENIZER_FILES)
+        tokenizer = request.path if own else settings["path"]
+    template = chat_template or settings["chat_template"] \
+        or trained_setting(request.config, "chat_template", ("model", "data"))
+    return load_tokenizer(str(tokenizer), trust_remote_code=trust_remote_code), template
+
+
+def trained_setting(config: dict[str, Any] | None, key: str, groups: Sequence[str]) -> str | None:
+    """A setting of the run that trained the drafter (its checkpoint's training.config), first group that has it:
+    the dtype its backbone was in, the chat template its data was rendered with."""
+    trained = ((config or {}).get("training") or {}).get("config") or {}
+    for group in groups:
+        value = (trained.get(group) or {}).get(key)
+        if value:
+            return str(value)
+    return None

@@ -105,6 +105,7 @@ class GenerationStats:
 class GenerationOutput:
     sequences: list[list[int]]  # new tokens per row (prompt excluded), trimmed at EOS / stop / max_new_tokens
     stats: GenerationStats
+    texts: list[str] | None = None  # each row's reply, for a text prompt (inference.api.Engine.generate)
 
 
 @dataclass

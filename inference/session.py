@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -16,10 +15,10 @@ import torch
 from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
-from inference.api import attach, load
+from inference.api import attach, load, load_text_side, trained_setting
 from inference.drafter_spec import DrafterSpec
 from inference.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
-from models.loading import TOKENIZER_FILES, check_reachable, load_tokenizer, model_settings
+from models.loading import check_reachable, model_settings
 
 
 @dataclass(frozen=True)
@@ -103,22 +102,6 @@ def drafter_spec(name: str, pairs: Sequence[str]) -> str:
     return str(DrafterSpec(spec.name, (*spec.options, *extra.options)))
 
 
-def _trained_dtype(config: dict[str, Any] | None) -> str | None:
-    """The dtype the drafter was trained with (its backbone's): the default to serve it in."""
-    trained = ((config or {}).get("training") or {}).get("config") or {}
-    value = (trained.get("model") or {}).get("dtype")
-    return str(value) if value else None
-
-
-def _trained_chat_template(config: dict[str, Any] | None) -> str | None:
-    trained = ((config or {}).get("training") or {}).get("config") or {}
-    for group in ("model", "data"):
-        value = (trained.get(group) or {}).get("chat_template")
-        if value:
-            return str(value)
-    return None
-
-
 def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOptions]:
     """Every model option (see `add_model_args`) that can be checked without loading a model: the drafter resolved
     (inference.registry) and the options its type takes, a base path that does not exist, threads, placement. Raises
@@ -147,29 +130,24 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
         torch.set_num_threads(args.threads)
     name = args.drafter or "none"
     config = request.config
-    base_arg = request.base
-    settings = model_settings(base_arg)
-    dtype = args.dtype or _trained_dtype(config) or settings["dtype"] or "bf16"
+    settings = model_settings(request.base)
+    dtype = args.dtype or trained_setting(config, "dtype", ("model",)) or settings["dtype"] or "bf16"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     own_target = bool((config or {}).get("backbone"))
     target = None if own_target else (settings["path"], dtype, args.quantization, device, args.device_map)
     if share is not None and target is not None and share.target == target:
-        engine = attach(request, share.engine.model, options)
+        text = load_text_side(request, settings, base_overridden=args.base is not None, tokenizer=args.tokenizer,
+                              chat_template=args.chat_template)
+        engine = attach(request, share.engine.model, options, *text)
     else:
         engine = load(
-            request, base=settings["path"], dtype=dtype, device=device, tree=args.tree,
+            request, base=args.base, dtype=dtype, device=device, tree=args.tree,
             quantization=None if args.quantization == "none" else args.quantization,
             device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
-            head_vocab=args.head_vocab,
+            head_vocab=args.head_vocab, tokenizer=args.tokenizer, chat_template=args.chat_template,
         )
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)
-    tokenizer_path = args.tokenizer
-    if tokenizer_path is None:
-        own = config is not None and args.base is None and any((Path(name) / f).is_file() for f in TOKENIZER_FILES)
-        tokenizer_path = name if own else settings["path"]
-    tokenizer = load_tokenizer(tokenizer_path)
-    chat_template = args.chat_template or settings["chat_template"] or _trained_chat_template(config)
-    return Session(engine, tokenizer, chat_template, base_arg, name, config, target)
+    return Session(engine, engine.tokenizer, engine.chat_template, request.base, name, config, target)
 
 
 def encode_messages(session: Session, messages: list[dict[str, str]], raw_hint: bool = False) -> list[int]:
