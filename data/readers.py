@@ -45,6 +45,7 @@ from typing import Any
 from data import sharegpt_v3
 from data.chat import Conversation
 from data.errors import DataError  # noqa: F401 - callers import it from here too
+from data.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,7 @@ def _skip_space(text: str, pos: int) -> int:
 
 
 def _iter_saved_dataset(path: Path, split: str) -> Iterator[tuple[str, Any]]:
+    require("datasets", f"data.path={path} (a datasets.save_to_disk folder)")
     import datasets  # heavy import, only for this source kind
 
     loaded = datasets.load_from_disk(str(path))
@@ -287,6 +289,7 @@ def _iter_saved_dataset(path: Path, split: str) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_hub(name: str, split: str) -> Iterator[tuple[str, Any]]:
+    require("datasets", f"data.path={name} (a hub dataset)")
     import datasets
 
     spec, _, explicit_split = name.partition("@")

@@ -30,7 +30,6 @@ Summary definitions:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -43,6 +42,7 @@ from typing import Any, Callable, Sequence, TextIO
 import torch
 
 from data.errors import UsageError
+from data.extras import require
 from inference.bandwidth import copy_bandwidth, host_info, weight_bytes
 from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
                                      build_runners, pld_defaults)
@@ -153,8 +153,8 @@ def check_bench_args(args: argparse.Namespace) -> list[str]:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:  # found, not imported: that waits for the plots
-        raise UsageError("--plot needs matplotlib: pip install 'draftsmith[plots]'")
+    if args.plot:
+        require("matplotlib", "--plot")  # found, not imported: that waits for the plots
     return baselines
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from data.extras import require
 from data.templates import get_template
 from models.builtin import (  # noqa: F401  (re-exported: the names callers know models.loading by)
     BUILTIN_PREFIX, DTYPES, EARLY_EXIT_PREFIX, MODEL_PREFIXES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError,
@@ -132,6 +133,7 @@ def quantization_config(quantization: str | None, double_quant: bool, compute_dt
         return None
     if quantization != "nf4":
         raise ValueError(f"unknown quantization {quantization!r}; choose one of none, nf4")
+    require("bitsandbytes", "quantization nf4")
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(

@@ -28,6 +28,7 @@ from transformers import TrainerCallback, TrainingArguments, set_seed
 from data.chat import encode_prompt, first_user_turn
 from data.collate import ChatCollator
 from data.datasets import SplitDatasets, build_datasets, label_counts, load_conversations
+from data.extras import installed
 from data.features import FeatureCollator, FeatureDataset, check_cache, read_prompts
 from inference.api import Engine
 from inference.drafters import NoDrafter
@@ -314,6 +315,9 @@ class DraftTrainer(ResumeHooks):
 def configure_logger(cfg: DictConfig) -> list[str]:
     """Return Trainer's report_to; wandb runs offline when it cannot run online."""
     if cfg.logger.name == "none":
+        return []
+    if not installed("wandb"):  # the default logger on a core install (an explicit logger=wandb failed in check_extras)
+        log.warning("logger=wandb: wandb is not installed, logging to the console only (pip install -e '.[wandb]')")
         return []
     os.environ.setdefault("WANDB_PROJECT", cfg.logger.project)
     if cfg.logger.entity:

@@ -6,23 +6,38 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UsageError
+from data.extras import require
 from train import config as schema
 
 
-def check_values(cfg: DictConfig) -> None:
+def check_values(cfg: DictConfig, asked: Sequence[str] = ()) -> None:
     """Settings whose type is right but whose value is not (a numeric range of train.config.RANGES, ...; choices are
     Enum-typed in the schema, so composition refuses them): fail here, naming the key, not deep in the run. Run
-    before Hydra starts, and again by each job of a multirun."""
+    before Hydra starts, and again by each job of a multirun. `asked`: the keys the command line set."""
     problem = schema.out_of_range(cfg)
     if problem:
         raise UsageError(problem)
+    check_extras(cfg, asked)
     check_features(cfg)
     check_self_distill(cfg)
     check_output_dir(cfg.output_dir)
+
+
+def check_extras(cfg: DictConfig, asked: Sequence[str] = ()) -> None:
+    """The optional packages the settings ask for (data.extras): one line naming the key and the extra to install.
+    The default logger (wandb) is the exception: without wandb, a run not asking for it on the command line logs to
+    the console (train.base.configure_logger says so in one line)."""
+    if OmegaConf.select(cfg, "model.quantization") == "nf4":
+        require("bitsandbytes", "model.quantization=nf4")
+    if OmegaConf.select(cfg, "deepspeed.config") is not None:
+        require("deepspeed", f"deepspeed={OmegaConf.select(cfg, 'deepspeed.name')}")
+    if OmegaConf.select(cfg, "logger.name") == "wandb" and any(k.startswith("logger") for k in asked):
+        require("wandb", "logger=wandb")
 
 
 # Methods that train on their own samples (train.base.ProvidesData: cllm's Jacobi trajectories), so `data`'s

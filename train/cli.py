@@ -95,7 +95,7 @@ def check_overrides(plain: list[str]) -> None:
         key = override.lstrip("+").partition("=")[0]
         if override.startswith("+") and key not in APPENDED_GROUPS and not _has_field(cfg, key):
             raise UsageError(unknown_key_message(key, _schema_of(cfg, key).__name__))
-    check_values(cfg)
+    check_values(cfg, asked=[o.lstrip("+").partition("=")[0] for o in plain])
 
 
 def missing_option_message(e: MissingConfigException) -> str | None:
