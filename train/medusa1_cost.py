@@ -4,7 +4,7 @@ scripts/gpu_check.py (GPU).
 
 Dimension letters: B batch, T time, D hidden, V vocab.
 
-The bound (README, "What the quickstart produced here"): per token the frozen backbone costs `backbone_macs`
+The bound (docs/results.md, "Training cost and memory"): per token the frozen backbone costs `backbone_macs`
 multiply-adds (forward only) and the heads 3 x `heads_macs` (forward, input gradients, weight gradients), so a
 training step runs at most backbone / (backbone + 3 heads) of the backbone forward's tokens/s, when a multiply-add
 costs the same everywhere. It is exact for heads with their own projections; shared-lm_head heads compute no weight
