@@ -282,7 +282,7 @@ def suite_table(summaries: dict[str, dict[str, Any]], base_summary: dict[str, An
 
     for name, s in summaries.items():
         check = (s.get("greedy_check") or {}).get("methods", {}).get(name)
-        ident = "—" if check is None else (f"{check['identical']} same / {check['near_tie']} near-tie / "
+        ident = "—" if check is None else (f"{check['identical']} same / {check['near_tie']} verified near-tie / "
                                            f"{check['mismatch']} mismatch")
         lines.append("| " + " | ".join([name, str(s["config"]["num_questions"]), f(s["tokens_per_s"], ".1f"),
                                         f(s["tau"])] + [f(s["speedup_vs"].get(b)) for b in cols]

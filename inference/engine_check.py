@@ -10,8 +10,9 @@ Dimension letters: K tree nodes (root included), H heads, R top-k ranks per head
    them into tau, tokens/s, speedups, per-step phase times and the engine efficiency (speedup over ar / (tau x
    t_AR_step / t_tree_forward)). The K-node trees are the greedy Medusa trees (inference.tree.greedy_tree_choices)
    for the heads' rank accuracy measured on the ar outputs.
-3. Greedy identity: each pair of methods' outputs per prompt is identical, a near tie or a real mismatch
-   (inference.greedy_ties, re-run in `hi_dtype`; this casts the model, so it comes last).
+3. Greedy identity: each pair of methods' outputs per prompt is identical, a verified near tie or a real mismatch
+   (inference.greedy_ties, re-run in `hi_dtype`; this casts the model, so it comes last). In a pair (left, right)
+   the right side is the reference and the left's later tokens are checked too: the engine methods come first.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from inference.bench_methods import EngineRunner, HFRunner, Runner, Sampling
 from inference.benchstats import Answer, Totals, summarize
 from inference.devices import input_device
 from inference.drafters import MedusaDrafter, NoDrafter
-from inference.greedy_ties import TIE_FACTOR, classify, first_divergence
+from inference.greedy_ties import TIE_ULPS, classify, first_divergence
 from inference.tree import greedy_tree_choices, load_tree
 from inference.tree_builder import RankCounter, measure_forward_cost, measure_head_cost, score_heads
 from models.backbone import final_hidden
@@ -97,11 +98,13 @@ def tree_row(summary: dict[str, Any], nodes: int, depth: int) -> dict[str, Any]:
 
 def greedy_identity(model: torch.nn.Module, prompts: Sequence[list[int]], outputs: dict[str, list[Answer]],
                     pairs: Sequence[tuple[str, str]], hi_dtype: torch.dtype) -> dict[str, Any]:
-    """Per pair of methods: prompts whose outputs are identical, part at a near tie, or part for real."""
+    """Per pair of methods (left under test, right the reference): prompts whose outputs are identical, part at a
+    verified near tie, or part for real."""
     cases = []
+    run_dtype = model.dtype
     for left, right in pairs:
         for i, prompt in enumerate(prompts):
-            d = first_divergence(prompt, outputs[left][i].turns[0].tokens, outputs[right][i].turns[0].tokens)
+            d = first_divergence(prompt, outputs[right][i].turns[0].tokens, outputs[left][i].turns[0].tokens)
             if d is not None:
                 cases.append((f"{left}_vs_{right}", i, d))
     verdicts = classify(model, [d for _, _, d in cases], hi_dtype)
@@ -110,11 +113,14 @@ def greedy_identity(model: torch.nn.Module, prompts: Sequence[list[int]], output
     for (pair, i, d), v in zip(cases, verdicts):
         counts[pair]["identical"] -= 1
         counts[pair]["near_tie" if v.near_tie else "mismatch"] += 1
-        details.append({"pair": pair, "prompt": i, "index": d.index, "left": d.left, "right": d.right,
-                        "margin": v.margin, "noise": v.noise, "hi_argmax": v.hi_argmax, "near_tie": v.near_tie})
-    rule = (f"at the first differing token, re-run prompt + shared prefix in {str(hi_dtype).removeprefix('torch.')}: "
-            f"near tie if the two tokens' logit gap <= {TIE_FACTOR:g} x the run dtype's rounding of logit "
-            "differences at that position (inference.greedy_ties)")
+        details.append({"pair": pair, "prompt": i, "index": d.index, "left": d.right, "right": d.left,
+                        "margin": v.margin, "tolerance": v.tolerance, "hi_argmax": v.hi_argmax,
+                        "failed_at": v.failed_at, "failed_by": v.failed_by, "near_tie": v.near_tie})
+    hi = str(hi_dtype).removeprefix("torch.")
+    rule = (f"re-run prompt + the tested output teacher-forced in {hi}, from the first differing token on: near tie "
+            f"if there both tokens, and after it every token of the tested output, lie within "
+            f"{TIE_ULPS[run_dtype]:g} x the {str(run_dtype).removeprefix('torch.')} unit roundoff x max|logit| of "
+            f"the {hi} argmax (inference.greedy_ties)")
     return {"rule": rule, "pairs": counts, "divergences": details}
 
 

@@ -44,7 +44,7 @@ from inference.registry import CLI, LoadOptions, build_from_spec, resolve  # noq
 from inference.bench import write_atomic  # noqa: E402
 from inference.bench_methods import HFRunner, Sampling, assisted_settings, pld_defaults  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
-from inference.greedy_ties import Fp64Judge, TieVerdict, first_divergence  # noqa: E402
+from inference.greedy_ties import Fp64Judge, first_divergence  # noqa: E402
 from inference.peer_bench import (METHODS, PeerBenchError, cartesian_choices, cartesian_paths,  # noqa: E402
                                   format_breakdown, format_table)
 from inference.prompt_lookup import PromptLookupDrafter  # noqa: E402
@@ -374,8 +374,9 @@ def alternate(runners: dict[str, Callable], prompts: list[list[int]], args: argp
 
 def judge_divergences(record: dict[str, Any], model: Any) -> dict[str, list[dict[str, Any]]]:
     """Each answer that differs from our plain greedy (ar), judged at its first differing token by the bench's rule
-    (inference.greedy_ties: near-tie when float rounding of the run's dtype can explain it, else mismatch). The
-    target is the same weights in every stack, so our float64 rerun rules on the peers' answers too."""
+    (inference.greedy_ties: a near tie when, in a float64 rerun, both tokens there and every later token of the
+    method lie within the run dtype's stated rounding tolerance of the greedy choice, else a mismatch). The target
+    is the same weights in every stack, so our float64 rerun rules on the peers' answers too."""
     judge = Fp64Judge(model)
     reference = record["methods"]["ar"]["turns"]
     found: dict[str, list[dict[str, Any]]] = {}
@@ -387,9 +388,10 @@ def judge_divergences(record: dict[str, Any], model: Any) -> dict[str, list[dict
             d = first_divergence(record["prompts"][i], ref["tokens"], turn["tokens"])
             if d is None:
                 continue
-            verdict = judge(d) if d.left is not None and d.right is not None else TieVerdict(False)
+            verdict = judge(d)
             found[name].append({"prompt": i, "index": d.index, "ours": d.left, "method": d.right,
-                                "near_tie": verdict.near_tie, "relative_gap": verdict.relative_gap})
+                                "near_tie": verdict.near_tie, "relative_gap": verdict.relative_gap,
+                                "failed_at": verdict.failed_at, "failed_by": verdict.failed_by})
     return found
 
 

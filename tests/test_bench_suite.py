@@ -47,7 +47,7 @@ methods:
     assert [a["question_id"] for a in answers] == ["gsm8k/0", "gsm8k/1"]
     table = (out / "table.md").read_text()
     assert table.splitlines()[0].startswith("| method | questions | tok/s | τ | × ar | × hf | × hf_pld")
-    assert "| pld | 3 |" in table and "| draft | 2 |" in table and "3 same / 0 near-tie / 0 mismatch" in table
+    assert "| pld | 3 |" in table and "| draft | 2 |" in table and "3 same / 0 verified near-tie / 0 mismatch" in table
     # 3 baselines x 3 questions + pld x 3 + draft and its own loop x 2 gsm8k questions, one progress count
     assert table.strip() in printed and "bench-suite: 16/16 answers" in err
 
