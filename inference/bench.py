@@ -20,9 +20,12 @@ Summary definitions:
                        free (t_AR_step: mean wall time of one plain step; t_tree_forward: mean target forward over
                        the draft tree)
     engine efficiency  speedup vs ar / ideal speedup
-    greedy identity    each method's turns against ar's (else hf's): identical, near_tie (at the first differing
-                       token, the two tokens' float64 logit gap is within twice the run dtype's rounding there,
-                       inference.greedy_ties) or mismatch
+    greedy identity    each method's turns against ar's (else hf's): identical, verified near tie or mismatch.
+                       A differing turn is rerun in float64, teacher-forced over the method's output: a near tie
+                       when at the first differing token both tokens, and after it every token of the method, lie
+                       within a stated tolerance of float64's greedy choice (TIE_ULPS x the run dtype's unit
+                       roundoff x max|logit|, inference.greedy_ties). "lossless" only with no mismatch; each
+                       mismatch is named with its question, turn and float64 gap (a likely engine bug)
     bandwidth floor    weight bytes / measured copy bandwidth: the least time a plain step can take
                        (inference.bandwidth)
 """
@@ -43,6 +46,7 @@ import torch
 
 from data.errors import UsageError
 from data.extras import require
+from data.paths import check_writable_dir
 from inference.bandwidth import copy_bandwidth, host_info, weight_bytes
 from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
                                      build_runners, pld_defaults)
@@ -174,12 +178,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     questions, prompt_sets = load_questions(args.questions)
     questions = questions[: args.limit]
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_writable_dir(out_dir, "--out")  # created once the models have loaded: a refused run leaves nothing
+    if not baselines and (args.baseline_only or (args.drafter or "none") == "none"):
+        raise UsageError("nothing to run: --baseline-only (or --drafter none) with --baselines empty")
     session = open_session(args)
+    out_dir.mkdir(parents=True, exist_ok=True)
     with_drafter = not args.baseline_only and (session.drafter_name != "none")
     names = (["drafter"] if with_drafter else []) + baselines
-    if not names:
-        raise UsageError("nothing to run: --baseline-only (or --drafter none) with --baselines empty")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.acceptance)
     hf = hf_options(session, args, names)
     runners = build_runners(session, names, sampling, hf)
@@ -220,7 +225,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def greedy_judge(args: argparse.Namespace, model: torch.nn.Module) -> Fp64Judge | None:
     """The float64 judge of greedy divergences, when the run is greedy and its target can be copied to float64
-    (not quantized or device-mapped weights); else None (every divergence then counts as a mismatch)."""
+    (not quantized or device-mapped weights); else None (every divergence then counts as a mismatch, not judged)."""
     fp64 = args.temperature == 0 and args.quantization == "none" and args.device_map is None
     return Fp64Judge(model) if fp64 else None
 

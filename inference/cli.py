@@ -24,6 +24,7 @@ from typing import Any, NoReturn, Sequence
 
 from data.errors import UsageError
 from inference.bench import add_bench_args
+from inference.generate import check_context
 from inference.session import add_model_args, add_sampling_args, check_sampling, encode_messages, open_session
 from inference.textstream import TextStream
 from inference.tree_builder import add_build_tree_args
@@ -106,6 +107,7 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt_ids = encode_messages(session, [*system, {"role": "user", "content": text}], raw_hint=True)
     if not prompt_ids:
         raise UsageError("the prompt encodes to no tokens")
+    check_context(session.engine.model.config, len(prompt_ids), args.max_new_tokens, "--max-new-tokens", session.base)
     emit = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     stream = TextStream(session.tokenizer, args.stop, emit)
     stop_ids = [session.tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop]

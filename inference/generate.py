@@ -181,6 +181,7 @@ def forward_tree(
     (the same forward: no second target pass)."""
     dtype = model.get_input_embeddings().weight.dtype
     mask, positions = tree_inputs(draft.tree, state.valid, state.next_pos, dtype)
+    positions = within_context(positions, context_length(model.config))
     out = model(
         input_ids=draft.tokens, attention_mask=mask, position_ids=positions, cache=state.cache, use_cache=True,
         **hidden_request(needs_hidden, layers),
@@ -258,6 +259,40 @@ def stop_index(tokens: list[int], start: int, config: DecodeConfig) -> int | Non
     return None
 
 
+def context_length(config: Any) -> int | None:
+    """The positions a target can take: its (text) config's max_position_embeddings; None when it states none or
+    there is no config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def check_context(config: Any, prompt_tokens: int, max_new_tokens: int, flag: str = "max_new_tokens",
+                  model: str = "the model") -> None:
+    """Refuse, in one line naming `flag`, a generation that does not fit the target's context (`config`: the target's
+    config, or its config.json read before it loads): the prompt plus max_new_tokens must fit max_position_embeddings.
+    Within that, a tree step at the end of the context stays exact: `within_context`."""
+    limit = context_length(config)
+    if limit is None or prompt_tokens + max_new_tokens <= limit:
+        return
+    if prompt_tokens >= limit:
+        raise ValueError(f"the prompt's {prompt_tokens} tokens fill {model}'s context of {limit} positions "
+                         f"(max_position_embeddings): no room for new tokens")
+    raise ValueError(f"{flag}={max_new_tokens}: {prompt_tokens} prompt token(s) + {max_new_tokens} new tokens exceed "
+                     f"{model}'s context of {limit} positions (max_position_embeddings); at most "
+                     f"{limit - prompt_tokens} new tokens fit")
+
+
+def within_context(positions: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """Tree position ids [B, K] with those past the context clamped to its last position; exact. With prompt +
+    max_new_tokens within the context (`check_context`), a row with r tokens still to produce reads the outputs of
+    its nodes of depth < r only, all below position prompt + max_new_tokens - 1; a node past the context is deeper
+    (its token comes after max_new_tokens) or belongs to a finished row riding along, and its key is seen only by
+    its own descendants: nothing kept depends on it. Clamping keeps such nodes from indexing a learned position table
+    out of range or switching on dynamic RoPE rescaling for the whole forward (which would change kept logits)."""
+    return positions if limit is None else positions.clamp(max=limit - 1)
+
+
 def check_window(model: torch.nn.Module, total_len: int) -> None:
     """The cache here is full-attention; refuse lengths where a sliding-window model would attend differently."""
     window = getattr(model.config, "sliding_window", None)
@@ -290,6 +325,7 @@ def generate(
     if not bool(pad_mask[:, -1].all()):
         raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
     check_window(model, input_ids.shape[1] + config.max_new_tokens)
+    check_context(model.config, int(pad_mask.sum(-1).max()), config.max_new_tokens)
     modules = drafter_modules(drafter)
     with fast_linears(model, *modules, enabled=config.cpu_kernel), \
             gqa_attention(model, *modules, enabled=config.gqa_attention):

@@ -17,8 +17,9 @@ from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
 from inference.api import attach, load, load_text_side, trained_setting
 from inference.drafter_spec import DrafterSpec
+from inference.generate import check_context
 from inference.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
-from models.loading import check_reachable, model_settings
+from models.loading import MODEL_PREFIXES, check_reachable, model_config, model_settings
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,8 @@ def drafter_spec(name: str, pairs: Sequence[str]) -> str:
 
 def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOptions]:
     """Every model option (see `add_model_args`) that can be checked without loading a model: the drafter resolved
-    (inference.registry) and the options its type takes, a base path that does not exist, threads, placement. Raises
-    UsageError (one line)."""
+    (inference.registry) and the options its type takes, a base path that does not exist, threads, placement, a
+    --max-new-tokens beyond the base model's context (its config.json). Raises UsageError or ValueError (one line)."""
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
@@ -113,11 +114,27 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     request.check(options, CLI)
     if request.base:  # a base directory that is not there: its one line now, not after other models loaded
         check_reachable(model_settings(request.base)["path"], needs=("config.json", "adapter_config.json"))
+    max_new_tokens = getattr(args, "max_new_tokens", None)  # generate and bench take --max-new-tokens
+    if request.base and max_new_tokens is not None:  # beyond the context even for a 1-token prompt: before loading
+        limit = context_before_loading(model_settings(request.base)["path"])
+        check_context(limit, 1, max_new_tokens, "--max-new-tokens", request.base)
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
     if args.offload_folder is not None and args.device_map is None:
         raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
     return request, options
+
+
+def context_before_loading(path: str) -> Any:
+    """The base model's config (for its context length) when it can be read cheaply before loading: a folder's or
+    a hub id's config.json. A built-in or early-exit model (whose first use builds it) and a config that does not
+    read are left to `generate()`, which checks the loaded model's context before decoding."""
+    if path.startswith(MODEL_PREFIXES):
+        return None
+    try:
+        return model_config(path)
+    except ValueError:  # ModelLoadError: the load reports it in its own words
+        return None
 
 
 def open_session(args: argparse.Namespace, share: Session | None = None) -> Session:

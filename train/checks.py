@@ -4,7 +4,6 @@ the key, before Hydra starts (train.cli) and again in each job of a multirun (tr
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -12,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UsageError
 from data.extras import require
+from data.paths import check_writable_dir
 from train import config as schema
 
 
@@ -97,9 +97,4 @@ def check_self_distill(cfg: DictConfig) -> None:
 def check_output_dir(output_dir: str) -> None:
     """The nearest existing ancestor of output_dir must be a writable directory (a file in the way fails here,
     before Hydra creates the run directory)."""
-    path = Path(output_dir).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"output_dir={output_dir}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"output_dir={output_dir}: {existing} is not writable")
+    check_writable_dir(output_dir, "output_dir")
