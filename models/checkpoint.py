@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from data.errors import UsageError
 from models.loading import load_target
-from models.medusa import MedusaConfig, MedusaHeads
+from models.medusa import MedusaConfig, MedusaHeads, check_vocab_ids
 from models.stopper import save_stopper
 
 CONFIG_NAME = "config.json"
@@ -312,6 +312,7 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dt
         state = load_file(str(weights))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{weights}: unreadable safetensors ({e})") from None
+    check_draft_vocab(state, medusa_config, weights)
     heads = MedusaHeads(medusa_config)
     try:
         heads.load_state_dict(state)
@@ -321,6 +322,19 @@ def load_drafter(path: str | os.PathLike, device: str | torch.device = "cpu", dt
     heads.to(device=device, dtype=dtype)
     heads.eval().requires_grad_(False)
     return LoadedDrafter(config=config, heads=heads)
+
+
+def check_draft_vocab(state: Mapping[str, torch.Tensor], config: MedusaConfig, weights: Path) -> None:
+    """A Medusa checkpoint's draft vocabulary, at load: `vocab_ids` holds draft_vocab_size distinct ids of the
+    vocabulary (`check_vocab_ids`), so a bad list is refused naming the file instead of failing inside an
+    index_select at the first draft. CheckpointError (one line)."""
+    if config.draft_vocab_size is None:
+        return  # an unexpected vocab_ids is reported by load_state_dict
+    ids = state.get("vocab_ids")
+    if ids is None:
+        raise CheckpointError(f"{weights}: no vocab_ids, but {CONFIG_NAME} sets draft_vocab_size="
+                              f"{config.draft_vocab_size}")
+    check_vocab_ids(ids, config.draft_vocab_size, config.vocab_size, f"{weights}: vocab_ids", CheckpointError)
 
 
 def read_token_counts(path: str | os.PathLike) -> torch.Tensor:

@@ -46,6 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from models.checkpoint import (CONFIG_NAME, TOKEN_COUNTS_NAME, WEIGHTS_NAME, CheckpointError, DrafterMismatchError,
                                Payload, read_drafter_config, write_checkpoint)
+from models.medusa import check_vocab_ids
 
 
 class Eagle3ConfigError(ValueError):
@@ -149,7 +150,7 @@ class Eagle3Draft(nn.Module):
     def set_draft_vocab(self, ids: torch.Tensor | Sequence[int]) -> None:
         """Draft over these S target ids (any order: stored sorted, as the d2t / t2d convention requires)."""
         ids = torch.as_tensor(ids, dtype=torch.long).flatten().sort().values
-        check_vocab_ids(ids, self.config.draft_vocab_size, self.config.vocab_size)
+        check_vocab_ids(ids, self.config.draft_vocab_size, self.config.vocab_size, error=Eagle3ConfigError)
         self.d2t.copy_(ids - torch.arange(len(ids)))
         self.t2d.zero_().index_fill_(0, ids.to(self.t2d.device), True)
 
@@ -266,17 +267,6 @@ def _unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[
     return out.transpose(1, 2).reshape(b, t, h * hd)
 
 
-def check_vocab_ids(ids: torch.Tensor, size: int, vocab_size: int, where: str = "draft vocabulary") -> None:
-    """Eagle3ConfigError unless `ids` are `size` distinct target ids in [0, vocab_size)."""
-    if ids.numel() != size:
-        raise Eagle3ConfigError(f"{where}: {ids.numel()} ids, the draft model has draft_vocab_size={size}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise Eagle3ConfigError(f"{where}: ids must lie in [0, {vocab_size}) (the target's vocabulary), got "
-                                f"[{int(ids.min())}, {int(ids.max())}]")
-    if len(ids.unique()) != ids.numel():
-        raise Eagle3ConfigError(f"{where}: duplicate ids")
-
-
 def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int, where: str) -> torch.Tensor:
     """Validate a d2t / t2d pair against the sizes; returns the draft vocabulary's target ids [S]. One-line
     Eagle3ConfigError naming `where` for a map of another size, ids out of range, duplicates, or maps that disagree."""
@@ -287,7 +277,7 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, voca
         raise Eagle3ConfigError(f"{where}: t2d has shape {tuple(t2d.shape)}, expected ({vocab_size},) (the target's "
                                 f"vocab_size)")
     ids = torch.arange(draft_vocab_size) + d2t.long().cpu()
-    check_vocab_ids(ids, draft_vocab_size, vocab_size, f"{where}: d2t")
+    check_vocab_ids(ids, draft_vocab_size, vocab_size, f"{where}: d2t", Eagle3ConfigError)
     if bool((ids[1:] <= ids[:-1]).any()):
         raise Eagle3ConfigError(f"{where}: d2t does not map draft ids to ascending target ids")
     kept = t2d.cpu().bool().nonzero().flatten()

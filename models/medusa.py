@@ -81,11 +81,9 @@ class MedusaHeads(nn.Module):
         """Fix the S full token ids the heads predict over (distinct, in [0, V)); index i of the logits is
         vocab_ids[i]."""
         ids = torch.as_tensor(vocab_ids, dtype=torch.long).flatten()
-        S, V = self.config.draft_vocab_size, self.config.vocab_size
-        if S is None or ids.shape != (S,):
-            raise ValueError(f"set_draft_vocab: expected {S} ids for draft_vocab_size={S}, got {tuple(ids.shape)}")
-        if int(ids.min()) < 0 or int(ids.max()) >= V or len(ids.unique()) != S:
-            raise ValueError(f"set_draft_vocab: ids must be distinct and in [0, {V})")
+        if self.config.draft_vocab_size is None:
+            raise ValueError("set_draft_vocab: these heads have no draft vocabulary (draft_vocab_size=None)")
+        check_vocab_ids(ids, self.config.draft_vocab_size, self.config.vocab_size, "set_draft_vocab")
         self.vocab_ids.copy_(ids)
 
     def draft_targets(self, targets: torch.Tensor, missing: int = -100) -> torch.Tensor:
@@ -176,3 +174,21 @@ def head_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
     if shift < labels.shape[1]:
         out[:, :-shift] = labels[:, shift:]
     return out
+
+
+def check_vocab_ids(ids: torch.Tensor, size: int, vocab_size: int, where: str = "draft vocabulary",
+                    error: type[ValueError] = ValueError) -> None:
+    """`error` (one line starting with `where`) unless `ids` [S] are `size` distinct integer token ids in
+    [0, vocab_size): the one check of a draft vocabulary (Medusa heads' vocab_ids, EAGLE-3's d2t), at training and
+    at load, so a bad list fails here instead of inside an embedding or index_select."""
+    if ids.dim() != 1 or ids.numel() != size:
+        raise error(f"{where}: expected {size} ids (draft_vocab_size={size}), got shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise error(f"{where}: expected integer token ids, got {str(ids.dtype).removeprefix('torch.')}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise error(f"{where}: ids must lie in [0, {vocab_size}) (the target's vocabulary), got [{low}, {high}]")
+    values, counts = ids.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        repeated = values[counts > 1]
+        raise error(f"{where}: duplicate ids ({repeated.numel()} repeated, first {int(repeated[0])})")

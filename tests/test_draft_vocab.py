@@ -3,8 +3,11 @@ against the same heads over the full vocabulary restricted to the S columns."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from inference.drafters import MedusaDrafter
@@ -114,12 +117,49 @@ def test_checkpoint_keeps_the_draft_vocabulary(tmp_path):
     assert not (tmp_path / "vllm").exists()
 
 
+def rewrite_vocab_ids(checkpoint, ids: torch.Tensor) -> None:
+    """Replace the stored vocab_ids of a saved checkpoint (a damaged or hand-edited file)."""
+    weights = checkpoint / "drafter.safetensors"
+    state = load_file(str(weights))
+    save_file({**state, "vocab_ids": ids}, str(weights))
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.arange(S - 1) + 5, rf"expected {S} ids \(draft_vocab_size={S}\), got shape \({S - 1},\)"),
+    (torch.arange(S) + VOCAB - 10, rf"ids must lie in \[0, {VOCAB}\) \(the target's vocabulary\), got "
+                                   rf"\[{VOCAB - 10}, {VOCAB + S - 11}\]"),
+    (torch.arange(S) - 1, rf"ids must lie in \[0, {VOCAB}\) \(the target's vocabulary\), got \[-1, {S - 2}\]"),
+    (torch.cat([torch.arange(S - 2), torch.tensor([3, 7])]), r"duplicate ids \(2 repeated, first 3\)"),
+    (torch.arange(S).float(), r"expected integer token ids, got float32"),
+], ids=["size", "beyond-vocab", "negative", "duplicates", "float"])
+def test_bad_vocab_ids_are_refused_at_load(tmp_path, ids, message):
+    """A checkpoint whose vocab_ids are not draft_vocab_size distinct ids of the vocabulary is refused by
+    load_drafter, in one line naming the file, instead of failing inside the heads' index_select later."""
+    path = save_drafter(tmp_path / "ckpt", draft_copy(normal_heads(False, seed=4), vocab_ids(3)), "some/base")
+    rewrite_vocab_ids(path, ids)
+    with pytest.raises(CheckpointError) as info:
+        load_drafter(path)
+    assert re.fullmatch(re.escape(f"{path / 'drafter.safetensors'}: vocab_ids: ") + message, str(info.value)), \
+        str(info.value)
+
+
+def test_missing_vocab_ids_are_refused_at_load(tmp_path):
+    path = save_drafter(tmp_path / "ckpt", draft_copy(normal_heads(False, seed=4), vocab_ids(3)), "some/base")
+    weights = path / "drafter.safetensors"
+    save_file({k: v for k, v in load_file(str(weights)).items() if k != "vocab_ids"}, str(weights))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(weights))}: no vocab_ids, but config.json sets "
+                                              rf"draft_vocab_size={S}$"):
+        load_drafter(path)
+
+
 def test_bad_draft_vocabularies_are_refused():
     with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, vocab_size=128\]"):
         MedusaConfig(num_heads=1, num_layers=1, hidden_size=8, vocab_size=128, draft_vocab_size=129)
     heads = MedusaHeads(MedusaConfig(num_heads=1, num_layers=1, hidden_size=8, vocab_size=128, draft_vocab_size=4))
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(ValueError, match=r"^set_draft_vocab: duplicate ids \(1 repeated, first 2\)$"):
         heads.set_draft_vocab(torch.tensor([1, 2, 2, 3]))
+    with pytest.raises(ValueError, match=r"^set_draft_vocab: ids must lie in \[0, 128\)"):
+        heads.set_draft_vocab(torch.tensor([1, 2, 3, 128]))
     with pytest.raises(ValueError, match="expected 4 ids"):
         heads.set_draft_vocab(torch.arange(5))
 

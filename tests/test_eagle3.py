@@ -86,7 +86,8 @@ def test_draft_vocabulary_maps():
     assert torch.equal(draft.draft_index(ids), torch.arange(16))
     outside = int((~draft.t2d).nonzero()[0])
     assert int(draft.draft_index(torch.tensor([outside, -100]))[0]) == -1
-    for bad, match in (([0] * 16, "duplicate"), (list(range(15)), "15 ids"), (list(range(120, 136)), r"\[0, 128\)")):
+    for bad, match in (([0] * 16, "duplicate"), (list(range(15)), r"expected 16 ids .* got shape \(15,\)"),
+                       (list(range(120, 136)), r"\[0, 128\)")):
         with pytest.raises(Eagle3ConfigError, match=match):
             draft.set_draft_vocab(bad)
 
