@@ -16,11 +16,17 @@ set by a hook library) through the kernel while its block runs, and only under n
 Hugging Face `generate` and every baseline outside the block stay stock. The kernel is built once per machine and
 torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler; ~1 min) into the draftsmith cache, and only
 on x86 CPUs with AVX2 + FMA or AVX-512; anywhere else, or if the build fails (one warning), stock PyTorch runs.
+A failed build is remembered in the cache (`failure_marker`: one file per source, torch version, compiler and flags), so
+later processes skip the attempt with a one-line notice; another compiler, other flags or a changed source build
+anew, and deleting the marker retries.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import subprocess
 import sys
 import warnings
 from contextlib import contextmanager
@@ -39,6 +45,8 @@ FMA_ROWS = 4  # rows the AVX-512/AVX2 FMA paths take where no wider path runs (m
 AMX_ROWS = 32  # input rows up to which the AMX path runs (two B tiles), for inputs whose width is a multiple of 32
 DP_ROWS = 32  # input rows up to which the AVX-512-BF16 path runs where there is no AMX
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 _kernel: Any = None  # the built extension module, once loaded
 _failed = False  # build or load failed once: stock from then on
@@ -85,37 +93,87 @@ def _extension_name() -> str:
     return f"draftsmith_linear_bf16_{digest}"
 
 
+def compiler_identity() -> str:
+    """What a build depends on besides the source and torch: the C++ compiler torch's extension builder runs ($CXX,
+    else c++: its resolved path and first `--version` line) and ninja's path; "missing" for a tool not found."""
+    compiler = os.environ.get("CXX", "c++")
+    path = shutil.which(compiler)
+    version = "missing"
+    if path is not None:
+        try:
+            run = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+            version = (run.stdout.strip().splitlines() or ["?"])[0]
+        except (OSError, subprocess.SubprocessError):
+            version = "unrunnable"
+    return f"{compiler}={path or 'missing'} ({version}); ninja={shutil.which('ninja') or 'missing'}"
+
+
+def failure_marker(name: str) -> Path:
+    """The file that records a failed build of extension `name` (source and torch version) with this compiler and
+    these flags: its presence makes later processes skip the build."""
+    key = hashlib.sha256(f"{compiler_identity()}|{' '.join(CFLAGS)}|{' '.join(LDFLAGS)}".encode()).hexdigest()[:12]
+    return cache_root() / "kernels" / f"{name}.failed-{key}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
 def load_kernel() -> Any:
-    """The compiled extension, building it on first use; None where it is unsupported or failed to build."""
+    """The compiled extension, building it on first use; None where it is unsupported or failed to build (now, or
+    in an earlier process with the same compiler and flags: `failure_marker`)."""
     global _kernel, _failed, _amx, _dp
     if _kernel is not None or _failed:
         return _kernel
     if not cpu_supported():
         _failed = True
         return None
-    from filelock import FileLock  # deferred: only a machine that builds the kernel needs the lock
-    from torch.utils import cpp_extension  # deferred: imports setuptools, ~0.3 s, only when the kernel is needed
-
     name = _extension_name()
     build_dir = cache_root() / "kernels" / name
+    marker = None if any(build_dir.glob(f"{name}*.so")) else failure_marker(name)
+    if marker is not None and marker.is_file():
+        _failed = True
+        warnings.warn(f"the engine's bf16 CPU kernel failed to build before with this compiler and flags ({marker}; "
+                      f"delete it to retry), stock PyTorch linear runs instead", stacklevel=2)
+        return None
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(build_dir) + ".lock"):
-            if not any(build_dir.glob(f"{name}*.so")):
-                print(f"building the engine's bf16 CPU kernel in {build_dir} (once, ~1 min)", file=sys.stderr,
-                      flush=True)
-            _kernel = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
-                                         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                         verbose=False)
+        _kernel = _build(name, build_dir)
         _amx = amx_supported() and bool(_kernel.amx_init())
         _dp = bool(_kernel.has_avx512_bf16())
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back to stock, say so once
         _failed = True
+        _kernel = None
+        if marker is not None:  # a build was attempted: later processes skip it
+            _remember_failure(marker, exc)
         warnings.warn(f"the engine's bf16 CPU kernel is unavailable, stock PyTorch linear runs instead: "
-                      f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}",
-                      stacklevel=2)
+                      f"{_first_line(exc)}", stacklevel=2)
         return None
     return _kernel
+
+
+def _build(name: str, build_dir: Path) -> Any:
+    """Build (or load the build of) the extension in `build_dir`, one process at a time."""
+    from filelock import FileLock  # deferred: only a machine that builds the kernel needs the lock
+    from torch.utils import cpp_extension  # deferred: imports setuptools, ~0.3 s, only when the kernel is needed
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(build_dir) + ".lock"):
+        if not any(build_dir.glob(f"{name}*.so")):
+            print(f"building the engine's bf16 CPU kernel in {build_dir} (once, ~1 min)", file=sys.stderr, flush=True)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
+
+
+def _remember_failure(marker: Path, exc: BaseException) -> None:
+    """Write `marker` (the compiler, the flags and the error, for a reader); a cache that cannot be written only
+    means the next process tries again."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{compiler_identity()}\nflags: {' '.join(CFLAGS)} / {' '.join(LDFLAGS)}\n"
+                          f"{_first_line(exc)}\n")
+    except OSError:
+        pass
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

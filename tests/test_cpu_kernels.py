@@ -210,6 +210,72 @@ def test_unsupported_cpu_or_failed_build_falls_back_to_stock(monkeypatch, tmp_pa
         assert routed == 0
 
 
+class FailingBuild:
+    """torch's extension builder, failing every build and counting the attempts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        raise RuntimeError("Error building extension 'draftsmith_linear_bf16'")
+
+
+def fresh_process(monkeypatch) -> None:
+    """The module's state as a new process starts with it."""
+    monkeypatch.setattr(cpu_kernels, "_kernel", None)
+    monkeypatch.setattr(cpu_kernels, "_failed", False)
+
+
+def test_failed_build_is_remembered_per_compiler_and_flags(monkeypatch, tmp_path):
+    """A failed build leaves a marker in the cache: the next process skips the attempt with a one-line notice and
+    runs stock; another compiler or other flags try again."""
+    from torch.utils import cpp_extension
+
+    build = FailingBuild()
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(cpu_kernels, "cpu_supported", lambda: True)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    fresh_process(monkeypatch)
+    with pytest.warns(UserWarning, match="stock PyTorch linear runs instead: RuntimeError: Error building"):
+        assert cpu_kernels.load_kernel() is None
+    markers = list((tmp_path / "cache" / "kernels").glob("*.failed-*"))
+    assert build.calls == 1 and len(markers) == 1
+    assert "Error building extension" in markers[0].read_text()
+
+    fresh_process(monkeypatch)  # a later process: no second attempt, one line saying why
+    with pytest.warns(UserWarning) as notices:
+        assert cpu_kernels.load_kernel() is None
+    assert build.calls == 1
+    [notice] = [str(w.message) for w in notices]
+    assert "\n" not in notice and "failed to build before with this compiler and flags" in notice
+    assert str(markers[0]) in notice and "stock PyTorch" in notice
+    layer = nn.Linear(8, 8).bfloat16()
+    with fast_linears(layer) as routed:
+        assert routed == 0 and "forward" not in vars(layer)
+
+    fresh_process(monkeypatch)  # other flags: a new attempt
+    monkeypatch.setattr(cpu_kernels, "CFLAGS", ("-O2", "-fopenmp"))
+    with pytest.warns(UserWarning, match="unavailable"):
+        cpu_kernels.load_kernel()
+    assert build.calls == 2
+
+    fresh_process(monkeypatch)  # another compiler: a new attempt
+    monkeypatch.setenv("CXX", sys.executable)  # any runnable program: the identity is its path and --version line
+    with pytest.warns(UserWarning, match="unavailable"):
+        cpu_kernels.load_kernel()
+    assert build.calls == 3
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.failed-*"))) == 3
+
+    fresh_process(monkeypatch)  # a changed source: a new attempt
+    source = tmp_path / "linear_bf16.cpp"
+    source.write_text(cpu_kernels.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    with pytest.warns(UserWarning, match="unavailable"):
+        cpu_kernels.load_kernel()
+    assert build.calls == 4
+
+
 @needs_kernel
 def test_generate_uses_the_kernel_unless_disabled(monkeypatch):
     """The engine's loop routes the target's decode steps through the kernel by default; cpu_kernel=False (the
@@ -251,7 +317,7 @@ def test_engine_passes_its_kernel_setting(monkeypatch):
     (["--drafter", "prompt_lookup"], "--drafter: this script times the target alone"),
     (["--rounds", "0"], "must be >= 1"),
     (["--threads", "0"], "--threads must be >= 1"),
-    ([], "cannot load model 'no/such-model'"),
+    ([], "cannot load tokenizer 'no/such-model'"),  # the tokenizer loads first (load: text in, text out)
 ])
 def test_kernel_benchmark_refuses_bad_flags_before_loading(flags, needle):
     """scripts/bench_cpu_kernel.py: one line, exit 2 (the base named does not exist: flags are refused before it
