@@ -31,7 +31,8 @@ from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.verify import VerifyResult, greedy_argmax, sample, target_probs
 from models.checkpoint import (CONFIG_NAME, DrafterMismatchError, attach_shared, draft_model_folder, read_drafter_config,
                                shared_spec)
-from models.loading import DTYPES, MODEL_PREFIXES, TOKENIZER_FILES, load_target, model_config, resolve_model_path
+from models.loading import (DTYPES, MODEL_PREFIXES, TOKENIZER_FILES, load_target, model_config, model_settings,
+                            resolve_model_path)
 from models.stopper import StopperModel, load_stopper, stop_features
 
 DEFAULT_GAMMA = 4
@@ -281,7 +282,9 @@ def checkpoint_stopper(path: str | os.PathLike) -> tuple[StopperModel | None, di
 def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.device) -> nn.Module:
     """The causal LM of a draft_model checkpoint or a plain causal LM (a directory, "builtin:<name>" or
     "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's. The
-    tensors a checkpoint shares with its target (models.checkpoint.shared_spec) become the target's own."""
+    tensors a checkpoint shares with its target (models.checkpoint.shared_spec) become the target's own. A model
+    config name ("smollm2-draft", conf/model) means its model, as everywhere a drafter is named."""
+    path = model_settings(path)["path"] if isinstance(path, str) else path
     plain = is_plain_model(path)
     source = str(path) if plain else str(draft_model_folder(path))
     shared = {} if plain else shared_spec(path)

@@ -4,6 +4,8 @@
     a plain causal LM                   a model directory, builtin:<name> or early_exit:<model>:<N>: a draft_model
     a spec "name[:key=value,...]"       a drafter without a checkpoint: jacobi, lookahead, prompt_lookup
     a hub id "org/name"                 either of the first two, read from the local Hugging Face cache's snapshot
+    a model config name (conf/model)    that config's model ("smollm2-draft": early_exit:smollm2:8), as --base and
+                                        training's method.draft read it (models.builtin.model_settings)
     None or "none"                      plain autoregressive decoding through the same loop
 
 `resolve` reads at most a config.json (no model loads) and returns a `DrafterRequest`; `DrafterRequest.check`
@@ -42,6 +44,7 @@ from inference.lookahead import LookaheadDrafter
 from inference.prompt_lookup import PromptLookupDrafter
 from inference.tree import load_tree
 from models.buildcache import hub_snapshot, is_hub_id
+from models.builtin import model_settings
 from models.checkpoint import (
     CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
 )
@@ -241,13 +244,16 @@ def resolve(drafter: str | Path | None, base: str | None = None, naming: Naming 
     config.json. Every failure is one line: an unknown name or missing path, a checkpoint that is incomplete or of an
     unserved type (CheckpointError naming its config.json), or no base model."""
     label = "none" if drafter is None else str(drafter)
+    if isinstance(drafter, str) and not Path(drafter).exists():  # a conf/model name ("smollm2-draft"): its model
+        drafter = model_settings(drafter)["path"]
     spec = named_spec(drafter)
-    if spec is None and is_hub_id(label) and not Path(label).exists() and not is_plain_model(label):
-        snapshot = hub_snapshot(label)  # a hub id in the local Hugging Face cache: its snapshot directory
+    named = str(drafter)
+    if spec is None and is_hub_id(named) and not Path(named).exists() and not is_plain_model(named):
+        snapshot = hub_snapshot(named)  # a hub id in the local Hugging Face cache: its snapshot directory
         if snapshot is None:
             raise UsageError(f"{naming.drafter} {label}: not a local directory, and the Hugging Face cache holds no "
-                             f"complete snapshot of it (config.json and weights); fetch it first, e.g. "
-                             f"`huggingface-cli download {label}`")
+                             f"complete snapshot of {named} (config.json and weights); fetch it first, e.g. "
+                             f"`hf download {named}`")
         drafter = snapshot
     if drafter is None or label == "none":
         request = DrafterRequest("none", label, base or "")

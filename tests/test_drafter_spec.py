@@ -173,7 +173,7 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_local_cache(tmp_path, monkeypa
     request = resolve("org/medusa-heads")
     assert (request.type, request.path, request.base) == ("medusa", heads, "b")
     with pytest.raises(UsageError, match=r"--drafter org/missing: not a local directory, and the Hugging Face cache "
-                                         r"holds no complete snapshot .* `huggingface-cli download org/missing`"):
+                                         r"holds no complete snapshot .* `hf download org/missing`"):
         resolve("org/missing", "builtin:tiny", CLI)
     _hub_snapshot(hub, "org/config-only")  # a snapshot without weights (only small files fetched) is not complete
     with pytest.raises(UsageError, match="holds no complete snapshot"):
