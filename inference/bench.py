@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import subprocess
 import sys
 import threading
 import time
@@ -240,7 +242,25 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
         "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids,
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), **code_version(),
     }
+
+
+def code_version() -> dict[str, Any]:
+    """The commit the code ran at and whether tracked files had local changes, so a results table can name both;
+    None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*argv: str) -> str | None:
+        try:
+            run = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return run.stdout.strip() if run.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit or None, "dirty": None if commit is None or dirty is None else bool(dirty)}
 
 
 class ProgressLog:

@@ -271,11 +271,22 @@ def method_summary(m: MethodPlan, loaded: Loaded, answers: dict[str, dict[int, A
     return summary
 
 
+def provenance(config: dict[str, Any]) -> str:
+    """One line under a results table: the host, dtype and threads, the commit and the command that made it."""
+    commit = config.get("commit") or "unknown commit"
+    if config.get("dirty"):
+        commit += " with local changes"
+    host = config.get("gpu") or f"{config.get('cpu')} ({config.get('cpu_capability')})"
+    return (f"Host: {host}, {config.get('threads')} threads, {config.get('dtype')}; code: {commit}; "
+            f"command: `{config.get('command')}`")
+
+
 def suite_table(summaries: dict[str, dict[str, Any]], base_summary: dict[str, Any] | None) -> str:
     """One markdown table: a row per method (speedups over the shared and own baselines), then the categories."""
     cols = sorted({b for s in summaries.values() for b in s["speedup_vs"]}, key=lambda b: (b != "ar", b != "hf", b))
     head = ["method", "questions", "tok/s", "τ"] + [f"× {b}" for b in cols] + ["efficiency", "greedy vs ar"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    configs = [c for c in [*(s.get("config") for s in summaries.values()), (base_summary or {}).get("config")] if c]
 
     def f(v: float | None, fmt: str = ".2f") -> str:
         return "—" if v is None else format(v, fmt)
@@ -291,6 +302,8 @@ def suite_table(summaries: dict[str, dict[str, Any]], base_summary: dict[str, An
         for name, row in base_summary["methods"].items():
             lines.append("| " + " | ".join([f"{name} (baseline)", str(row["turns"]), f(row["tokens_per_s"], ".1f"),
                                             f(row["tau"])] + ["" for _ in cols] + ["", ""]) + " |")
+    if configs:
+        lines += ["", provenance(configs[0])]
     categories = sorted({c for s in summaries.values() for c in s["categories"]})
     lines += ["", "Speedup over HF `generate` per category (τ in brackets):", "",
               "| method | " + " | ".join(categories) + " |", "|" + " --- |" * (len(categories) + 1)]

@@ -48,6 +48,8 @@ methods:
     table = (out / "table.md").read_text()
     assert table.splitlines()[0].startswith("| method | questions | tok/s | τ | × ar | × hf | × hf_pld")
     assert "| pld | 3 |" in table and "| draft | 2 |" in table and "3 same / 0 verified near-tie / 0 mismatch" in table
+    provenance = next(line for line in table.splitlines() if line.startswith("Host: "))  # under the table
+    assert "threads" in provenance and "code: " in provenance and "command: `" in provenance
     # 3 baselines x 3 questions + pld x 3 + draft and its own loop x 2 gsm8k questions, one progress count
     assert table.strip() in printed and "bench-suite: 16/16 answers" in err
 
