@@ -55,7 +55,7 @@ from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, 
 from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
 from inference.draft_model import DraftModelDrafter, load_draft_model
 from inference.greedy_ties import Fp64Judge
-from inference.prompt_sets import DEFAULT_QUESTIONS, PROMPT_SETS, Question, load_questions
+from inference.prompt_sets import PROMPT_SETS, Question, load_questions
 from inference.registry import names_draft_model
 from inference.session import (add_model_args, add_sampling_args, check_sampling, encode_messages,
                                open_session)
@@ -104,7 +104,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] + " Greedy by default; answers + summary.json land in --out."
     add_model_args(p)
     add_sampling_args(p, max_new_tokens=256)
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS),
+    p.add_argument("--questions", default="mt_bench",
                    help=f"question JSONL, or a comma list of prompt sets {', '.join(PROMPT_SETS)} with optional "
                         f"counts (mt_bench,gsm8k:40,humaneval:40: the first N of each) read from $DRAFTSMITH_DATA "
                         f"(default: ../shared/data next to the repository); default: all of mt_bench")

@@ -22,7 +22,13 @@ from typing import Any, Callable, Iterator
 
 from data.errors import UsageError
 from data.eval_sets import DATA_ENV, DEFAULT_DATA, data_root  # noqa: F401 - the folder is data's (decontamination)
-DEFAULT_QUESTIONS = DEFAULT_DATA / "mt_bench" / "question.jsonl"
+
+
+def default_questions() -> Path:
+    """MT-bench's question file under the data folder ($DRAFTSMITH_DATA, read when called)."""
+    return data_root() / "mt_bench" / "question.jsonl"
+
+
 HUMANEVAL_TURN = "Complete the following Python function:\n```python\n{prompt}```"
 
 

@@ -38,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.chat import encode_prompt  # noqa: E402
 from inference.api import Engine  # noqa: E402
-from inference.prompt_sets import DEFAULT_QUESTIONS, read_questions  # noqa: E402
+from inference.prompt_sets import default_questions, read_questions  # noqa: E402
 from inference.draft_model import load_draft_model  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
-from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
+from models.loading import load_target, load_tokenizer  # noqa: E402
+from models.refs import model_settings  # noqa: E402
 
 
 def chain_tau(matches: list[bool], gamma: int) -> tuple[int, int]:
@@ -108,22 +109,22 @@ def main() -> None:
     p.add_argument("--draft", nargs="*", default=[], help="trained draft models: distill/stopper checkpoints or dirs")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 (default: the model config's dtype, else fp32)")
     p.add_argument("--gamma", type=int, nargs="+", default=[4], help="draft lengths (chain)")
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="MT-bench style question.jsonl")
+    p.add_argument("--questions", default=str(default_questions()), help="MT-bench style question.jsonl")
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per cost (median)")
     args = p.parse_args()
     torch.set_num_threads(1)
     settings = model_settings(args.model)
-    tokenizer = load_tokenizer(settings["path"], settings["chat_template"])
-    dtype = args.dtype or settings["dtype"] or "fp32"
-    target = load_target(settings["path"], dtype=dtype)
+    tokenizer = load_tokenizer(settings.ref, settings.chat_template)
+    dtype = args.dtype or settings.dtype or "fp32"
+    target = load_target(settings.ref, dtype=dtype)
     drafts = {d: load_draft_model(d, target, torch.device("cpu")) for d in args.draft}  # vocabulary checked
     engine = Engine(target, NoDrafter())
     matches: dict[int | str, list[list[bool]]] = {n: [] for n in [*args.layers, *args.draft]}
     new_tokens, costs = 0, None
     for q in read_questions(args.questions)[: args.limit]:
-        prompt = encode_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}], settings["chat_template"])
+        prompt = encode_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}], settings.chat_template)
         answer = engine.generate(prompt, max_new_tokens=args.max_new_tokens).sequences[0]
         new_tokens += len(answer)
         if costs is None:  # after the first answer (a realistic context length), before the slow part

@@ -4,6 +4,7 @@ lines for logs."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gzip
 import io
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from inference.api import Engine
 from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes
-from inference.bench import ProgressLog, answer
+from inference.bench import ProgressLog, add_bench_args, answer
 from inference.bench_methods import EngineRunner, ForwardCounter, HFRunner, Sampling, assisted_settings, pld_defaults
 from inference.benchstats import (SHOWN_DIVERGENCES, Answer, TurnResult, bandwidth_floor, format_table, greedy_check,
                                   summarize)
@@ -371,3 +372,17 @@ def test_bad_bench_options_are_one_line_before_any_model_loads(data_dir, capsys,
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle.format(tmp=tmp_path) in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_default_questions_follow_the_data_folder(tmp_path, monkeypatch):
+    """`bench` without --questions reads MT-bench from $DRAFTSMITH_DATA as set when it runs, not from the folder
+    found at import (a user who exports the variable gets their own copy)."""
+    (tmp_path / "mt_bench").mkdir()
+    record = {"question_id": 7, "category": "writing", "turns": ["Say hi."]}
+    (tmp_path / "mt_bench" / "question.jsonl").write_text(json.dumps(record) + "\n")
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args([])
+    questions, taken = load_questions(args.questions)
+    assert [q.question_id for q in questions] == [7] and taken == {"mt_bench": 1}
