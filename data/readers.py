@@ -46,6 +46,7 @@ from data import sharegpt_v3
 from data.chat import Conversation
 from data.errors import DataError  # noqa: F401 - callers import it from here too
 from data.extras import require
+from data.locations import written_as_path
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +199,9 @@ def iter_records(path: str | Path, split: str = "train", recover_truncated: bool
 
 
 def _looks_local(path: str) -> bool:
-    """A path no hub id can be: absolute/relative/home paths and .json/.jsonl names fail fast instead of retrying."""
-    return path.startswith(("/", "./", "../", "~")) or path.endswith((".json", ".jsonl")) or path.count("/") > 1
+    """A path no hub dataset id can be (data.locations' rule, or a .json/.jsonl file name): it fails fast instead of
+    retrying the hub."""
+    return written_as_path(path) or path.endswith((".json", ".jsonl"))
 
 
 def _iter_text(name: str, data: bytes, jsonl: bool, recover_truncated: bool) -> Iterator[tuple[str, Any]]:

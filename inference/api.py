@@ -34,8 +34,8 @@ from inference.tree import TreeBuffers
 from inference.verify import SamplingParams
 from models.checkpoint import load_drafter_target
 from models.backbone import eos_token_ids
-from models.builtin import model_settings
 from models.loading import TOKENIZER_FILES, load_target, load_tokenizer
+from models.refs import LocalRef, ModelSettings, model_settings
 
 Message = dict[str, str]
 TextPrompt = str | Sequence[Message]  # one user message, or a conversation of {"role", "content"} messages
@@ -280,14 +280,14 @@ def load(
     settings = model_settings(base or request.base)  # a model name ("tiny", "smollm2") as the command line takes it
     text = load_text_side(request, settings, base_overridden=base is not None, tokenizer=tokenizer,
                           chat_template=chat_template, trust_remote_code=trust_remote_code)
-    dtype = dtype or trained_setting(request.config, "dtype", ("model",)) or settings["dtype"] or "bf16"
+    dtype = dtype or trained_setting(request.config, "dtype", ("model",)) or settings.dtype or "bf16"
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
                          trust_remote_code=trust_remote_code, tp_plan=tp_plan, device_map=device_map,
                          offload_folder=offload_folder)
     if request.config is not None and request.config.get("backbone"):  # a fine-tuned target (Medusa-2, CLLM)
-        model = load_drafter_target(request.path, settings["path"], **target_kwargs)
+        model = load_drafter_target(request.path, settings.ref, **target_kwargs)
     else:
-        model = load_target(settings["path"], **target_kwargs)
+        model = load_target(settings.ref, **target_kwargs)
     if quantization in (None, "none") and tp_plan is None and device_map is None:  # those place the weights themselves
         model.to(device)
     return attach(request, model, options, *text)
@@ -305,19 +305,26 @@ def attach(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions
     return Engine(model, drafter, config, tokenizer=tokenizer, chat_template=chat_template)
 
 
-def load_text_side(request: DrafterRequest, settings: dict[str, Any], base_overridden: bool,
+def load_text_side(request: DrafterRequest, settings: ModelSettings, base_overridden: bool,
                    tokenizer: str | Path | None = None, chat_template: str | None = None,
                    trust_remote_code: bool = False) -> tuple[Any, str | None]:
     """(tokenizer, chat template) for the engine `load` builds: the given ones, else the checkpoint's own tokenizer
     (unless the base was overridden: the base's then), else the base model's; the template of the conf/model, else
-    the drafter's training run, else None (the tokenizer's own)."""
+    the drafter's training run, else None (the tokenizer's own). A base folder with no tokenizer files gives no
+    tokenizer: that engine takes token ids only (its text calls say so)."""
+    template = chat_template or settings.chat_template \
+        or trained_setting(request.config, "chat_template", ("model", "data"))
     if tokenizer is None:
         own = request.config is not None and not base_overridden and request.path is not None \
-            and any((Path(request.path) / f).is_file() for f in TOKENIZER_FILES)
-        tokenizer = request.path if own else settings["path"]
-    template = chat_template or settings["chat_template"] \
-        or trained_setting(request.config, "chat_template", ("model", "data"))
-    return load_tokenizer(str(tokenizer), trust_remote_code=trust_remote_code), template
+            and has_tokenizer(Path(request.path))
+        tokenizer = request.path if own else settings.ref
+        if isinstance(tokenizer, LocalRef) and not has_tokenizer(tokenizer.path):
+            return None, template  # a bare model folder (weights and config only): the engine takes token ids
+    return load_tokenizer(tokenizer, trust_remote_code=trust_remote_code), template
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)
 
 
 def trained_setting(config: dict[str, Any] | None, key: str, groups: Sequence[str]) -> str | None:

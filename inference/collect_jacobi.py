@@ -24,7 +24,8 @@ from data.errors import UsageError
 from data.jacobi import PromptSample, done_ids, prompt_samples, trajectory_record
 from inference.jacobi import INITS, JacobiOptions, jacobi_blocks
 from models.backbone import eos_token_ids
-from models.loading import load_target, load_tokenizer, model_settings
+from models.loading import load_target, load_tokenizer
+from models.refs import model_settings
 
 
 def collect(model: Any, samples: Sequence[PromptSample], output: Path, options: Any, num_blocks: int,
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = JacobiOptions(block_size=args.block_size, init=args.init, seed=args.seed)
         cfg = load_data_config(args.data, data_overrides(args.overrides))
-        path = model_settings(args.model)["path"]
+        path = model_settings(args.model).ref
         tokenizer = load_tokenizer(path, cfg.chat_template)
         samples = prompt_samples(cfg, tokenizer, args.split, args.max_prompts)
         model = load_target(path, dtype=args.dtype)

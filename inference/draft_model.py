@@ -31,8 +31,8 @@ from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.verify import VerifyResult, greedy_argmax, sample, target_probs
 from models.checkpoint import (CONFIG_NAME, DrafterMismatchError, attach_shared, draft_model_folder, read_drafter_config,
                                shared_spec)
-from models.loading import (DTYPES, MODEL_PREFIXES, TOKENIZER_FILES, load_target, model_config, model_settings,
-                            resolve_model_path)
+from models.loading import DTYPES, TOKENIZER_FILES, load_target, model_config
+from models.refs import BuiltinRef, EarlyExitRef, LocalRef, ModelRef, locate, model_settings
 from models.stopper import StopperModel, load_stopper, stop_features
 
 DEFAULT_GAMMA = 4
@@ -75,7 +75,7 @@ def check_vocab_files(draft: str, target: str, target_tokenizer: Any, setting: s
         raise DrafterMismatchError(
             f"{setting}: the draft model has a vocabulary of {draft_vocab} tokens but the target {target} has "
             f"{target_vocab}; a draft model must share the target's tokenizer")
-    folder = Path(resolve_model_path(draft))
+    folder = locate(draft)
     if target_tokenizer is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return
     from transformers import AutoTokenizer
@@ -234,13 +234,16 @@ class DraftModelDrafter:
         return out.logits[:, -keep:] if whole else out.logits
 
 
-def is_plain_model(path: str | os.PathLike) -> bool:
-    """True for "builtin:<name>", "early_exit:<model>:<N>" or a directory holding a Hugging Face model (config.json
-    without drafter_type)."""
-    text = str(path)
-    if text.startswith(MODEL_PREFIXES):
+def is_plain_model(model: str | os.PathLike | ModelRef) -> bool:
+    """True for a model draftsmith makes ("builtin:<name>", "early_exit:<model>:<N>", or a conf/model name of one)
+    or a directory holding a Hugging Face model (config.json without drafter_type); the name is read by
+    models.refs."""
+    ref = model_settings(model).ref
+    if isinstance(ref, (BuiltinRef, EarlyExitRef)):
         return True
-    config = Path(path) / CONFIG_NAME
+    if not isinstance(ref, LocalRef):  # a hub id: its snapshot folder is what callers hold (models.refs.locate)
+        return False
+    config = ref.path / CONFIG_NAME
     if not config.is_file():
         return False
     try:
@@ -284,18 +287,20 @@ def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.d
     "early_exit:<model>:<N>"), in the target's dtype on `device`, its vocabulary checked against the target's. The
     tensors a checkpoint shares with its target (models.checkpoint.shared_spec) become the target's own. A model
     config name ("smollm2-draft", conf/model) means its model, as everywhere a drafter is named."""
-    path = model_settings(path)["path"] if isinstance(path, str) else path
-    plain = is_plain_model(path)
-    source = str(path) if plain else str(draft_model_folder(path))
-    shared = {} if plain else shared_spec(path)
+    ref = model_settings(path).ref
+    made = isinstance(ref, (BuiltinRef, EarlyExitRef))  # built when it loads, not here
+    folder = None if made else locate(ref)  # a hub id: its snapshot, by models.refs' one hub policy
+    plain = made or is_plain_model(folder)
+    source = ref if plain else str(draft_model_folder(folder))
+    shared = {} if plain else shared_spec(folder)
     dtype = target.get_input_embeddings().weight.dtype
     name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
     with quiet_missing_weights(bool(shared)):  # the shared tensors are missing from the files on purpose
         draft = load_target(source, dtype=name).to(device)
     if plain and getattr(draft.config, "draftsmith_shared_with_target", None):
-        raise DrafterMismatchError(f"{path}: this draft model stores no {', '.join(draft.config.draftsmith_shared_with_target)}"
+        raise DrafterMismatchError(f"{ref}: this draft model stores no {', '.join(draft.config.draftsmith_shared_with_target)}"
                                    f" (its target's): load the checkpoint folder above it, not its draft/ folder")
-    attach_shared(draft, target, shared, str(path))
+    attach_shared(draft, target, shared, str(ref))
     check_vocab(draft, target)
     return draft
 

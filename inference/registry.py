@@ -3,9 +3,10 @@
     a draftsmith checkpoint directory   its config.json's "drafter_type": medusa, draft_model, eagle3, cllm
     a plain causal LM                   a model directory, builtin:<name> or early_exit:<model>:<N>: a draft_model
     a spec "name[:key=value,...]"       a drafter without a checkpoint: jacobi, lookahead, prompt_lookup
-    a hub id "org/name"                 either of the first two, read from the local Hugging Face cache's snapshot
+    a hub id "org/name"                 either of the first two, located by models.refs' one hub policy (the
+                                        local cache's snapshot; downloaded unless HF_HUB_OFFLINE=1), as --base is
     a model config name (conf/model)    that config's model ("smollm2-draft": early_exit:smollm2:8), as --base and
-                                        training's method.draft read it (models.builtin.model_settings)
+                                        training's method.draft read it (models.refs.model_settings)
     None or "none"                      plain autoregressive decoding through the same loop
 
 `resolve` reads at most a config.json (no model loads) and returns a `DrafterRequest`; `DrafterRequest.check`
@@ -43,8 +44,9 @@ from inference.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
 from inference.lookahead import LookaheadDrafter
 from inference.prompt_lookup import PromptLookupDrafter
 from inference.tree import load_tree
-from models.buildcache import hub_snapshot, is_hub_id
-from models.builtin import model_settings
+from data.locations import is_local
+from models.builtin import ModelLoadError
+from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 from models.checkpoint import (
     CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
 )
@@ -231,7 +233,7 @@ def spec_names() -> list[str]:
 def named_spec(text: str | Path | None) -> DrafterSpec | None:
     """The spec when `text` names a registered drafter without a checkpoint (and is not an existing path), else
     None: the one test that tells a drafter name from a checkpoint or model path."""
-    if not isinstance(text, str) or Path(text).exists():
+    if not isinstance(text, str) or is_local(text):
         return None
     name = text.partition(":")[0]
     if name not in DRAFTERS or DRAFTERS[name].checkpoint or name == "none":
@@ -244,29 +246,19 @@ def resolve(drafter: str | Path | None, base: str | None = None, naming: Naming 
     config.json. Every failure is one line: an unknown name or missing path, a checkpoint that is incomplete or of an
     unserved type (CheckpointError naming its config.json), or no base model."""
     label = "none" if drafter is None else str(drafter)
-    if isinstance(drafter, str) and not Path(drafter).exists():  # a conf/model name ("smollm2-draft"): its model
-        drafter = model_settings(drafter)["path"]
     spec = named_spec(drafter)
-    named = str(drafter)
-    if spec is None and is_hub_id(named) and not Path(named).exists() and not is_plain_model(named):
-        snapshot = hub_snapshot(named)  # a hub id in the local Hugging Face cache: its snapshot directory
-        if snapshot is None:
-            raise UsageError(f"{naming.drafter} {label}: not a local directory, and the Hugging Face cache holds no "
-                             f"complete snapshot of {named} (config.json and weights); fetch it first, e.g. "
-                             f"`hf download {named}`")
-        drafter = snapshot
     if drafter is None or label == "none":
         request = DrafterRequest("none", label, base or "")
     elif spec is not None:
         request = DrafterRequest(spec.name, label, base or "", spec=spec)
-    elif is_plain_model(drafter):  # a causal LM dir or builtin:/early_exit: name, drafting for `base`
-        config = {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": str(drafter)}
-        request = DrafterRequest("draft_model", label, base or "", path=Path(drafter), config=config)
-    elif not Path(drafter).exists():
-        raise UsageError(f"{naming.drafter} {label}: no such checkpoint or model directory, and not a registered "
-                         f"drafter ({', '.join(spec_names())})")
+    elif isinstance(folder := drafter_folder(drafter, label, naming), str):  # builtin:/early_exit:, for `base`
+        config = {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": folder}
+        request = DrafterRequest("draft_model", label, base or "", path=Path(folder), config=config)
+    elif is_plain_model(folder):  # a causal LM folder, drafting for `base`
+        config = {"drafter_type": "draft_model", "base_model_name_or_path": base, "draft_model_path": str(folder)}
+        request = DrafterRequest("draft_model", label, base or "", path=folder, config=config)
     else:
-        path = Path(drafter)
+        path = folder
         config = read_drafter_config(path)  # raises CheckpointError naming what is missing or malformed
         kind = DRAFTERS.get(config["drafter_type"])
         if kind is None or not kind.checkpoint:
@@ -282,6 +274,25 @@ def resolve(drafter: str | Path | None, base: str | None = None, naming: Naming 
         role = "the target it drafts for" if request.plain_model else "the model to decode"
         raise UsageError(f"{what}: needs a base model; pass {naming.base} ({role})")
     return request
+
+
+def drafter_folder(drafter: str | Path, label: str, naming: Naming) -> Path | str:
+    """Where a drafter argument that is not a spec lives: the folder of a checkpoint, a local model or a hub id (by
+    models.refs' one hub policy), or, for a model draftsmith makes (builtin:, early_exit:, or a conf/model name of
+    one), its name, located when it loads. UsageError naming the argument when there is nothing there."""
+    try:
+        ref = model_settings(drafter).ref
+    except ModelLoadError as e:  # an unknown builtin, a malformed early_exit name
+        raise UsageError(f"{naming.drafter} {label}: {e}") from None
+    if isinstance(ref, (BuiltinRef, EarlyExitRef)):
+        return str(ref)
+    try:
+        return locate(ref)
+    except ModelLoadError as e:
+        if isinstance(ref, LocalRef) or (isinstance(ref, HubRef) and "/" not in ref.repo_id):  # a typo, most likely
+            raise UsageError(f"{naming.drafter} {label}: no such checkpoint or model directory, and not a registered "
+                             f"drafter ({', '.join(spec_names())})") from None
+        raise UsageError(f"{naming.drafter} {label}: {e}") from None
 
 
 def names_draft_model(drafter: str | Path | None) -> bool:

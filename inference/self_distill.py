@@ -29,7 +29,8 @@ from data.templates import ChatTemplateError
 from inference.api import load
 from models.backbone import eos_token_ids
 from models.checkpoint import CheckpointError
-from models.loading import ModelLoadError, load_tokenizer, model_settings
+from models.loading import ModelLoadError, load_tokenizer
+from models.refs import model_settings
 
 log = logging.getLogger("draftsmith.self_distill")
 
@@ -223,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     config = SelfDistillConfig(
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
-        chat_template=args.chat_template or settings["chat_template"], seed=args.seed,
+        chat_template=args.chat_template or settings.chat_template, seed=args.seed,
     )
     try:
         records = read_conversations(args.data, args.format, on_error=args.on_error)
         conversations = [(record_id(s), c) for s, c in zip(records.sources, records.conversations)][: args.max_samples]
-        tokenizer = load_tokenizer(settings["path"], config.chat_template)
-        engine = load(args.drafter, base=settings["path"], dtype=args.dtype or settings["dtype"] or "bf16",
+        tokenizer = load_tokenizer(settings.ref, config.chat_template)
+        engine = load(args.drafter, base=settings.path, dtype=args.dtype or settings.dtype or "bf16",
                       device=device, quantization=args.quantization)
         stats = self_distill(engine, tokenizer, conversations, args.output, config)
     except (DataError, ChatTemplateError, CheckpointError, ModelLoadError, ValueError, OSError) as err:

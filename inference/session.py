@@ -19,7 +19,8 @@ from inference.api import attach, load, load_text_side, trained_setting
 from inference.drafter_spec import DrafterSpec
 from inference.generate import check_context
 from inference.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
-from models.loading import MODEL_PREFIXES, check_reachable, model_config, model_settings
+from models.loading import located, model_config
+from models.refs import BuiltinRef, EarlyExitRef, LocalRef, ModelRef, model_settings
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,12 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
     options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab)
     request.check(options, CLI)
-    if request.base:  # a base directory that is not there: its one line now, not after other models loaded
-        check_reachable(model_settings(request.base)["path"], needs=("config.json", "adapter_config.json"))
+    base = model_settings(request.base).ref if request.base else None
+    if isinstance(base, LocalRef):  # a base directory that is not there: its one line now, not after other models load
+        located(base, needs=("config.json", "adapter_config.json"))
     max_new_tokens = getattr(args, "max_new_tokens", None)  # generate and bench take --max-new-tokens
-    if request.base and max_new_tokens is not None:  # beyond the context even for a 1-token prompt: before loading
-        limit = context_before_loading(model_settings(request.base)["path"])
+    if base is not None and max_new_tokens is not None:  # beyond the context even for a 1-token prompt: before loading
+        limit = context_before_loading(base)
         check_context(limit, 1, max_new_tokens, "--max-new-tokens", request.base)
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
@@ -125,14 +127,14 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     return request, options
 
 
-def context_before_loading(path: str) -> Any:
+def context_before_loading(ref: ModelRef) -> Any:
     """The base model's config (for its context length) when it can be read cheaply before loading: a folder's or
     a hub id's config.json. A built-in or early-exit model (whose first use builds it) and a config that does not
     read are left to `generate()`, which checks the loaded model's context before decoding."""
-    if path.startswith(MODEL_PREFIXES):
+    if isinstance(ref, (BuiltinRef, EarlyExitRef)):
         return None
     try:
-        return model_config(path)
+        return model_config(ref)
     except ValueError:  # ModelLoadError: the load reports it in its own words
         return None
 
@@ -148,10 +150,10 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
     name = args.drafter or "none"
     config = request.config
     settings = model_settings(request.base)
-    dtype = args.dtype or trained_setting(config, "dtype", ("model",)) or settings["dtype"] or "bf16"
+    dtype = args.dtype or trained_setting(config, "dtype", ("model",)) or settings.dtype or "bf16"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     own_target = bool((config or {}).get("backbone"))
-    target = None if own_target else (settings["path"], dtype, args.quantization, device, args.device_map)
+    target = None if own_target else (settings.path, dtype, args.quantization, device, args.device_map)
     if share is not None and target is not None and share.target == target:
         text = load_text_side(request, settings, base_overridden=args.base is not None, tokenizer=args.tokenizer,
                               chat_template=args.chat_template)

@@ -73,23 +73,13 @@ def build_lock(directory: Path, name: str) -> Iterator[None]:
         yield
 
 
-def looks_local(path: str) -> bool:
-    """Whether `path` can only be a local path: it starts like one (".", "/", "~") or has more slashes than a hub
-    repository id ("org/name") has."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1
-
-
-def is_hub_id(text: str) -> bool:
-    """Whether `text` has the form of a hub repository id ("org/name"): one slash, not a path-looking string."""
-    return not looks_local(text) and "/" in text and all(text.split("/"))
-
-
-def hub_snapshot(repo_id: str) -> Path | None:
-    """The local hub cache's snapshot of `repo_id` when it holds a config and weights; never goes online."""
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The local hub cache's snapshot of `repo_id` (at `revision`, default the main branch) when it holds a config
+    and weights; never goes online."""
     try:
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
+        folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError) or no usable cache: fall through
         return None
     has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))

@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from data.errors import UsageError
 from models.loading import load_target
 from models.medusa import MedusaConfig, MedusaHeads, check_vocab_ids
+from models.refs import ModelRef
 from models.stopper import save_stopper
 
 CONFIG_NAME = "config.json"
@@ -508,7 +509,7 @@ def backbone_folder(path: str | os.PathLike) -> tuple[str, Path] | None:
     return fmt, folder
 
 
-def load_drafter_target(path: str | os.PathLike, base: str | None = None, **load_kwargs: Any):
+def load_drafter_target(path: str | os.PathLike, base: str | ModelRef | None = None, **load_kwargs: Any):
     """The target model the drafter at `path` was trained with; `load_kwargs` go to models.loading.load_target.
 
     No backbone (Medusa-1): the base model (`base`, default the checkpoint's base_model_name_or_path). A "merged"

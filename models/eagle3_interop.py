@@ -69,7 +69,7 @@ from models.eagle3 import (
     saved_state,
 )
 from models.interop import read_medusa_state
-from models.loading import resolve_model_path
+from models.refs import locate
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 FOREIGN_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # written: the first; read: the first found
@@ -289,7 +289,7 @@ def base_text_config(base: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(base), local_files_only=True)
+        config = AutoConfig.from_pretrained(locate(base), local_files_only=True)
     except (OSError, ValueError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"--base {base}: cannot read its config offline ({first})") from None

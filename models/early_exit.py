@@ -6,11 +6,11 @@ embeddings, first N layers, final norm and lm_head (tied to the embeddings iff t
 early_exit.json (source, layers kept of how many). Nothing is trained or re-initialised; `python -m train distill`
 can then fine-tune the copy like any draft model.
 
-`early_exit:<model>:<N>` names such a draft wherever a model path is accepted (models.loading.resolve_model_path:
-`method.draft`, `--drafter`, ...). <model> is anything a model name can be (a conf/model name such as smollm2,
-builtin:<name>, a directory, a hub id). The folder is built once into the draftsmith cache
-(<root>/models/early_exit/<key>, see models.buildcache), keyed by the source's resolved location, a fingerprint of its
-weights (file names, sizes, mtimes; a hub model's commit) and N, so a changed source gets a fresh build.
+`early_exit:<model>:<N>` names such a draft wherever a model name is accepted (`method.draft`, `--drafter`, ...);
+models.refs parses it into an EarlyExitRef and locates its source (a conf/model name such as smollm2, builtin:<name>,
+a directory, a hub id) before calling `ensure_early_exit`, so nothing here parses a name. The folder is built once
+into the draftsmith cache (<root>/models/early_exit/<key>, see models.buildcache), keyed by the source's located
+folder, a fingerprint of its weights (file names, sizes, mtimes) and N, so a changed source gets a fresh build.
 
 Generic over Llama/Qwen2/Mistral-like models: any causal LM whose decoder stack is `model.model.layers`.
 """
@@ -23,13 +23,16 @@ import json
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
-from models.builtin import EARLY_EXIT_PREFIX, TOKENIZER_FILES, ModelLoadError, model_settings, resolve_builtin, torch_dtype
+from models.builtin import TOKENIZER_FILES, ModelLoadError, torch_dtype
+
+if TYPE_CHECKING:  # models.refs calls this module with its refs; importing it here would be a cycle
+    from models.refs import EarlyExitRef
 
 FORMAT_VERSION = 1
 PROVENANCE_FILE = "early_exit.json"
@@ -37,46 +40,18 @@ CACHE_SUBDIR = ("models", "early_exit")
 WEIGHT_PATTERNS = ("config.json", "*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
-@dataclass(frozen=True)
-class EarlyExitName:
-    """A parsed `early_exit:<model>:<layers>`."""
-
-    source: str  # the model part, as given
-    num_layers: int
-
-
-def parse_early_exit(name: str) -> EarlyExitName:
-    """`early_exit:<model>:<layers>` -> (model, layers). The layer count is the last `:` field, so a model part
-    may itself hold colons (`early_exit:builtin:tiny:2`)."""
-    source, sep, layers = name.removeprefix(EARLY_EXIT_PREFIX).rpartition(":")
-    if not name.startswith(EARLY_EXIT_PREFIX) or not sep or not source or not layers.isdigit():
-        raise ModelLoadError(f"{name!r}: expected {EARLY_EXIT_PREFIX}<model>:<layers>, "
-                             f"e.g. {EARLY_EXIT_PREFIX}smollm2:8")
-    return EarlyExitName(source, int(layers))
-
-
-def source_location(source: str) -> str:
-    """A model name as a loadable location: conf/model names and builtin:<name> become their directories. A draft
-    is cut from a full model: an early-exit source is refused (cut the original with fewer layers instead)."""
-    path = model_settings(source)["path"]
-    if path.startswith(EARLY_EXIT_PREFIX):
-        raise ModelLoadError(f"{EARLY_EXIT_PREFIX}{source}:...: the source is itself an early-exit draft; "
-                             f"name its own model with the layer count you want")
-    return resolve_builtin(path)
-
-
-def build_early_exit_draft(target: str, num_layers: int, out_dir: str | Path, dtype: str | None = None,
+def build_early_exit_draft(source: str | Path, num_layers: int, out_dir: str | Path, dtype: str | None = None,
                            label: str | None = None) -> Path:
-    """Write the early-exit draft of `target` (any model name, see `source_location`) to `out_dir`: a Hugging Face
-    causal-LM folder holding the target's first `num_layers` decoder layers (see the module docstring). `dtype`
-    ("fp32", "bf16", ...) casts the weights; None keeps the target's stored dtype. `label` is how early_exit.json
-    names the source (default: `target`). Raises ModelLoadError (one line) for N outside [1, L - 1] or a model
-    whose decoder stack is not `.model.layers`."""
+    """Write the early-exit draft of the model folder `source` (located by models.refs) to `out_dir`: a Hugging Face
+    causal-LM folder holding the model's first `num_layers` decoder layers (see the module docstring). `dtype`
+    ("fp32", "bf16", ...) casts the weights; None keeps the model's stored dtype. `label` is how early_exit.json
+    and messages name the source (default: the folder). Raises ModelLoadError (one line) for N outside [1, L - 1]
+    or a model whose decoder stack is not `.model.layers`."""
     from transformers import AutoModelForCausalLM
 
-    label = target if label is None else label
-    path = source_location(target)
-    where = f"{EARLY_EXIT_PREFIX}{label}:{num_layers}"
+    path = str(source)
+    label = path if label is None else label
+    where = f"early_exit:{label}:{num_layers}"
     config = checked_config(path, num_layers, where)
     total = config.num_hidden_layers
     cut = _truncated_config(config, num_layers)
@@ -106,7 +81,7 @@ def checked_config(path: str, num_layers: int, where: str):
     """The source's config, after checking that it can keep `num_layers` of its decoder layers (1 .. L - 1)."""
     from transformers import AutoConfig
 
-    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():  # a path, not a hub id
+    if not Path(path).expanduser().is_dir():  # models.refs located it: a hub model is its snapshot folder too
         raise ModelLoadError(f"{where}: no model folder at {path}")
     try:
         config = AutoConfig.from_pretrained(path)
@@ -122,13 +97,14 @@ def checked_config(path: str, num_layers: int, where: str):
     return config
 
 
-def ensure_early_exit(name: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
-    """The cached folder of `early_exit:<model>:<layers>`, built on first use (under a lock, atomically)."""
-    spec = parse_early_exit(name)
-    path = source_location(spec.source)
-    checked_config(path, spec.num_layers, name)  # a bad layer count fails before anything is locked or written
+def ensure_early_exit(ref: EarlyExitRef, source: str | Path, cache_dir: Path | None = None, progress: bool = True
+                      ) -> Path:
+    """The cached folder of the early-exit draft `ref` names, cut from `source` (its source's folder, which
+    models.refs.locate found) on first use, under a lock, atomically."""
+    name, path = str(ref), str(source)
+    checked_config(path, ref.layers, name)  # a bad layer count fails before anything is locked or written
     root = cache_root() if cache_dir is None else Path(cache_dir)
-    target = root.joinpath(*CACHE_SUBDIR, cache_key(spec.source, path, spec.num_layers))
+    target = root.joinpath(*CACHE_SUBDIR, cache_key(str(ref.source), path, ref.layers))
     if is_complete(target, FORMAT_VERSION):
         return target
     with build_lock(target.parent, target.name):
@@ -136,7 +112,7 @@ def ensure_early_exit(name: str, cache_dir: Path | None = None, progress: bool =
             if progress:
                 print(f"building the early-exit draft {name} in {target} (once)", file=sys.stderr, flush=True)
             with atomic_dir(target, FORMAT_VERSION) as tmp:
-                build_early_exit_draft(path, spec.num_layers, tmp, label=spec.source)
+                build_early_exit_draft(path, ref.layers, tmp, label=str(ref.source))
     return target
 
 
@@ -148,15 +124,11 @@ def cache_key(source: str, path: str, num_layers: int) -> str:
 
 
 def _fingerprint(path: str) -> list:
-    """What changes when the source's weights change: a local folder's weight files (name, size, mtime); a hub
-    model's commit (its config's _commit_hash), else just its id."""
-    folder = Path(path)
-    if folder.is_dir():
-        files = sorted({f for pattern in WEIGHT_PATTERNS for f in folder.glob(pattern) if f.is_file()})
-        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    from transformers import AutoConfig
-
-    return [getattr(AutoConfig.from_pretrained(path), "_commit_hash", None) or path]
+    """What changes when the source's weights change: its folder's weight files (name, size, mtime). A hub model's
+    folder is its snapshot, whose path already names the commit."""
+    folder = Path(path).expanduser()
+    files = sorted({f for pattern in WEIGHT_PATTERNS for f in folder.glob(pattern) if f.is_file()})
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def _truncated_config(config, num_layers: int):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from models.loading import model_config, resolve_model_path
+from models.loading import model_config, located
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "_attn_implementation")
@@ -40,8 +39,7 @@ def target_fingerprint(name_or_path: str, trust_remote_code: bool = False, revis
     """{"path", "model_type", "config" (sha256 of the canonical config), "weights" (sha256 sample of the files)}."""
     config = model_config(name_or_path, trust_remote_code, revision).to_dict()
     stable = {k: v for k, v in config.items() if k not in _VOLATILE}
-    folder = Path(os.path.expanduser(resolve_model_path(name_or_path)))
-    weights = weights_hash(folder) if folder.is_dir() else f"hub:{name_or_path}@{revision or 'main'}"
+    weights = weights_hash(located(name_or_path, revision=revision))  # a hub model's folder is its snapshot
     return {
         "path": name_or_path,
         "model_type": config.get("model_type"),

@@ -56,7 +56,8 @@ from models.checkpoint import (
     save_drafter,
 )
 from models.builtin import TOKENIZER_COPY_FILES
-from models.loading import load_target, resolve_model_path
+from models.loading import load_target
+from models.refs import locate
 from models.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # preferred first
@@ -222,8 +223,8 @@ def base_vocab_size(base: str | None) -> int | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(base), local_files_only=True)
-    except (OSError, ValueError, ImportError):  # not local, not cached, or no builder for a builtin name
+        config = AutoConfig.from_pretrained(locate(base), local_files_only=True)
+    except (OSError, ValueError, ImportError):  # not local, not cached (ModelLoadError is a ValueError), no builder
         return None
     return getattr(config.get_text_config(), "vocab_size", None)
 

@@ -1,9 +1,6 @@
-"""Loading a target model and its tokenizer: hub id, local directory, or a built-in tiny model.
-
-"builtin:<name>" names a model that draftsmith provides itself: the tiny models it builds offline (models.tiny) and the
-SmolLM2-135M-Instruct chat model it converts from a GGUF once (models.smollm2). "early_exit:<model>:<N>" names the
-first N decoder layers of <model> as a draft model, cut once into the cache (models.early_exit). Every other string
-goes to `from_pretrained` unchanged, so built-in, derived and hub models share one code path.
+"""Loading a target model and its tokenizer from any model name or ModelRef (a directory, hub id, conf/model name,
+builtin:<name>, early_exit:<model>:<N>): models.refs parses and locates it, `from_pretrained` reads the folder, so
+built-in, derived and hub models share one code path.
 """
 
 from __future__ import annotations
@@ -19,51 +16,37 @@ import torch
 from data.extras import require
 from data.templates import get_template
 from models.builtin import (  # noqa: F401  (re-exported: the names callers know models.loading by)
-    BUILTIN_PREFIX, DTYPES, EARLY_EXIT_PREFIX, MODEL_PREFIXES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError,
-    model_settings, resolve_builtin, torch_dtype,
+    DTYPES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError, torch_dtype,
 )
-from models.buildcache import looks_local
-from models.early_exit import ensure_early_exit
+from models.refs import ModelRef, at_revision, locate, parse_model
 
 log = logging.getLogger(__name__)
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """Map "builtin:<name>" to the directory of that model (models.builtin: the tiny models, SmolLM2) and
-    "early_exit:<model>:<N>" to the cached folder of <model>'s first N layers (models.early_exit, cut on first use);
-    any other string is returned unchanged (a directory or hub id for `from_pretrained`)."""
-    if name_or_path.startswith(EARLY_EXIT_PREFIX):
-        return str(ensure_early_exit(name_or_path))
-    return resolve_builtin(name_or_path)
-
-
-def model_config(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+def model_config(name_or_path: str | ModelRef, trust_remote_code: bool = False, revision: str | None = None) -> Any:
     """A model's config from its config.json alone (no weights): for checks that must run before anything loads.
     ModelLoadError naming the model when it cannot be read."""
     from transformers import AutoConfig
 
-    path = resolve_model_path(name_or_path)
-    check_reachable(path, needs=("config.json",))
+    path = located(name_or_path, ("config.json",), revision)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if revision is not None:
-        kwargs["revision"] = revision
     try:
         return AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0]
-        raise ModelLoadError(f"cannot read the config of model {name_or_path!r}: {first}") from None
+        raise ModelLoadError(f"cannot read the config of model {str(name_or_path)!r}: {first}") from None
 
 
-def check_reachable(path: str, needs: tuple[str, ...] = ()) -> None:
-    """Fail early with one line when a path-looking string does not exist (instead of a hub lookup traceback), or
-    when a local directory holds none of the files `needs` lists."""
-    local = os.path.expanduser(path)
-    if looks_local(path) and not os.path.isdir(local):
-        raise ModelLoadError(f"model path {path!r} does not exist")
-    if needs and os.path.isdir(local) and not any(os.path.isfile(os.path.join(local, n)) for n in needs):
-        raise ModelLoadError(f"model path {path!r} has no {' or '.join(needs)}")
+def located(name_or_path: str | os.PathLike | ModelRef, needs: tuple[str, ...] = (), revision: str | None = None) -> Path:
+    """The model's folder (models.refs.locate: one line when a local path does not exist or a hub id is not
+    available; a hub model at `revision`), checked to hold at least one of the files `needs` lists."""
+    ref = name_or_path if isinstance(name_or_path, ModelRef) else parse_model(name_or_path)
+    path = locate(at_revision(ref, revision))
+    if needs and path.is_dir() and not any((path / n).is_file() for n in needs):
+        raise ModelLoadError(f"model path {str(name_or_path)!r} has no {' or '.join(needs)}")
+    return path
 
 
 def resolve_device_map(device_map: Any) -> Any:
@@ -172,7 +155,8 @@ def nf4_layer_problem(name: str, in_features: int, out_features: int) -> str | N
     return None
 
 
-def check_nf4_on_cpu(name_or_path: str, trust_remote_code: bool = False, revision: str | None = None) -> None:
+def check_nf4_on_cpu(name_or_path: str | ModelRef, trust_remote_code: bool = False, revision: str | None = None
+                     ) -> None:
     """Raise ModelLoadError (one line naming model.quantization, the first bad layer and the block size) when a layer
     that NF4 quantisation would replace has a shape bitsandbytes' CPU backend cannot handle. Refused on every CPU,
     not only on AVX-512-bf16 ones where the repacking crashes, so a config behaves the same on any x86 machine.
@@ -182,11 +166,8 @@ def check_nf4_on_cpu(name_or_path: str, trust_remote_code: bool = False, revisio
     from transformers.quantizers import AutoHfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    path = resolve_model_path(name_or_path)
-    check_reachable(path, needs=("config.json", "adapter_config.json"))
+    path = located(name_or_path, ("config.json", "adapter_config.json"), revision)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if revision is not None:
-        kwargs["revision"] = revision
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError):
@@ -207,7 +188,7 @@ def check_nf4_on_cpu(name_or_path: str, trust_remote_code: bool = False, revisio
 
 
 def load_target(
-    name_or_path: str,
+    name_or_path: str | ModelRef,
     dtype: str = "bf16",
     quantization: str | None = None,
     double_quant: bool = True,
@@ -227,16 +208,13 @@ def load_target(
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(name_or_path)
-    check_reachable(path, needs=("config.json", "adapter_config.json"))
+    path = located(name_or_path, ("config.json", "adapter_config.json"), revision)
     compute_dtype = torch_dtype(dtype)
     kwargs: dict[str, Any] = dict(
         dtype=compute_dtype,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
-    if revision is not None:
-        kwargs["revision"] = revision
     device_map = resolve_device_map(device_map)
     if device_map is not None and tp_plan is not None:
         raise ValueError("device_map and tp_plan are exclusive: tensor parallelism places the shards itself")
@@ -261,10 +239,10 @@ def load_target(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except SafetensorError as e:  # a truncated or corrupted *.safetensors file
-        raise ModelLoadError(f"cannot load model {name_or_path!r}: corrupted safetensors weights ({e})") from None
+        raise ModelLoadError(f"cannot load model {str(name_or_path)!r}: corrupted safetensors weights ({e})") from None
     except (OSError, ValueError) as e:  # missing files; unrecognised config, unsupported attention or quantization
         first = str(e).strip().splitlines()[0]
-        raise ModelLoadError(f"cannot load model {name_or_path!r}: {first}") from None
+        raise ModelLoadError(f"cannot load model {str(name_or_path)!r}: {first}") from None
     if quant is not None and places_on_cpu(kwargs["device_map"]):
         log.info("model.quantization=nf4 on CPU: %s", nf4_cpu_path(model))
     if frozen:
@@ -279,17 +257,16 @@ def nf4_cpu_path(model: torch.nn.Module) -> str:
     return "dequantise-then-matmul (no AVX-512-bf16)"
 
 
-def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False):
+def load_tokenizer(name_or_path: str | os.PathLike | ModelRef, chat_template: str | None = None, trust_remote_code: bool = False):
     """Load the tokenizer; `chat_template` names a shipped template (data.templates) for models without one."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(name_or_path)
-    check_reachable(path, needs=TOKENIZER_FILES)
+    path = located(name_or_path, needs=TOKENIZER_FILES)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
         first = str(e).strip().splitlines()[0]
-        raise ModelLoadError(f"cannot load tokenizer {name_or_path!r}: {first}") from None
+        raise ModelLoadError(f"cannot load tokenizer {str(name_or_path)!r}: {first}") from None
     if chat_template is not None:
         tokenizer.chat_template = get_template(chat_template)
     if tokenizer.pad_token_id is None:

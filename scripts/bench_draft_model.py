@@ -31,7 +31,8 @@ from inference.draft_model import DraftModelDrafter, checkpoint_stopper, draft_s
 from inference.draft_stop import parse_stop  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from inference.api import Engine  # noqa: E402
-from models.loading import BUILTIN_PREFIX, load_target, load_tokenizer  # noqa: E402
+from models.loading import load_target, load_tokenizer  # noqa: E402
+from models.refs import BuiltinRef, parse_model  # noqa: E402
 from models.tiny import is_built  # noqa: E402
 
 QUESTIONS = (
@@ -44,8 +45,9 @@ QUESTIONS = (
 
 def require_built(name: str) -> None:
     """Exit cleanly when a builtin model is not built yet (building takes a long time; not this script's job)."""
-    if name.startswith(BUILTIN_PREFIX):
-        if not is_built(name[len(BUILTIN_PREFIX):]):
+    ref = parse_model(name)
+    if isinstance(ref, BuiltinRef):
+        if not is_built(ref.name):
             raise SystemExit(f"{name} is not built (python scripts/build_tiny_models.py); nothing measured")
 
 

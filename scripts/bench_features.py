@@ -30,7 +30,8 @@ from data.datasets import load_conversations  # noqa: E402
 from inference.api import Engine  # noqa: E402
 from inference.drafters import NoDrafter  # noqa: E402
 from inference.self_distill import SelfDistillConfig, self_distill  # noqa: E402
-from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
+from models.loading import load_target, load_tokenizer  # noqa: E402
+from models.refs import model_settings  # noqa: E402
 from train.features import LayerTaps, forward_features, plan_shards  # noqa: E402
 
 
@@ -52,16 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     settings = model_settings(args.base)
-    dtype = args.dtype or settings["dtype"] or "fp32"
+    dtype = args.dtype or settings.dtype or "fp32"
     data = load_data_config(args.data, {"max_length": args.max_length, "self_distill": False})
-    tokenizer = load_tokenizer(settings["path"], settings["chat_template"])
+    tokenizer = load_tokenizer(settings.ref, settings.chat_template)
     conversations = load_conversations(data, "train")[: args.conversations * args.rounds]
     if len(conversations) < args.conversations * args.rounds:
         raise SystemExit(f"error: --data {args.data} has {len(conversations)} train conversations; "
                          f"--conversations x --rounds needs {args.conversations * args.rounds}")
-    encoded = [encode_chat(tokenizer, c, args.max_length, settings["chat_template"]) for c in conversations]
+    encoded = [encode_chat(tokenizer, c, args.max_length, settings.chat_template) for c in conversations]
     train = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
-    target = load_target(settings["path"], dtype=dtype)
+    target = load_target(settings.ref, dtype=dtype)
     print(f"{args.base} ({dtype}), {torch.get_num_threads()} threads; {args.conversations} conversations a round",
           file=sys.stderr, flush=True)
     taps = LayerTaps(target, [])
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "answers.jsonl"
             config = SelfDistillConfig(max_new_tokens=args.new_tokens, batch_size=args.batch_size, max_turns=1,
-                                       chat_template=settings["chat_template"])
+                                       chat_template=settings.chat_template)
             start = time.perf_counter()
             stats = self_distill(Engine(target, NoDrafter()), tokenizer,
                                  [(f"c{i}", conversations[i]) for i in pick], out, config)

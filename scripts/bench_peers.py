@@ -53,7 +53,8 @@ from inference.session import Session, encode_messages  # noqa: E402
 from inference.tree import TreeError, read_tree_file  # noqa: E402
 from models.backbone import eos_token_ids  # noqa: E402
 from models.interop import export_medusa  # noqa: E402
-from models.loading import load_tokenizer, model_settings, resolve_model_path  # noqa: E402
+from models.loading import load_tokenizer  # noqa: E402
+from models.refs import locate, model_settings  # noqa: E402
 
 PEERS = ("medusa", "hf_assisted", "hf_pld", "eagle")
 PEER_PINS = {  # what each peer's environment gets; medusa-llm 0.1 pins nothing itself (see README)
@@ -229,7 +230,7 @@ def start_medusa(args: argparse.Namespace, choices: list[int], record: dict[str,
     peer = PeerProcess(python, REPO / "scripts" / "peer_medusa.py", args.threads)
     print("[medusa] loading medusa-llm's engine in its venv", file=sys.stderr, flush=True)
     try:
-        reply = peer.call(cmd="init", model_dir=resolve_model_path(args.base), work_dir=str(work),
+        reply = peer.call(cmd="init", model_dir=str(locate(args.base)), work_dir=str(work),
                           heads_dir=str(work / "heads"), choices=choices, dtype=args.dtype, threads=args.threads)
     except RuntimeError as e:
         record["unavailable"]["medusa"] = f"medusa-llm failed to load: {e}"
@@ -279,10 +280,10 @@ def build_ours(args: argparse.Namespace, peers: list[str], choices: list[int] | 
                ) -> tuple[dict[str, Callable], Any]:
     """Our methods and the HF ones, on one target object; returns (runners, session)."""
     settings = model_settings(args.base)
-    engine = load(None, base=settings["path"], dtype=args.dtype)
+    engine = load(None, base=settings.path, dtype=args.dtype)
     model = engine.model
-    tokenizer = load_tokenizer(settings["path"])
-    session = Session(engine, tokenizer, settings["chat_template"], args.base, "none", None)
+    tokenizer = load_tokenizer(settings.ref)
+    session = Session(engine, tokenizer, settings.chat_template, args.base, "none", None)
     eos, pad = eos_token_ids(model), tokenizer.pad_token_id
     greedy = Sampling(0.0, 0, 1.0, "greedy")
     kernel = not args.no_cpu_kernel  # ours only: the HF runners call the model's own generate, stock

@@ -194,9 +194,9 @@ def pack_tiny(drafter: Path, dest: Path, questions: Path) -> int:
     """Copy the medusa1 checkpoint (its top-level files: not checkpoints/, the trainer state), its base model and the
     question file into `dest` (medusa1/, base/, question.jsonl); returns the bytes copied."""
     from models.checkpoint import read_drafter_config  # deferred: after the package checks
-    from models.loading import resolve_model_path  # deferred: after the package checks
+    from models.refs import locate  # deferred: after the package checks
 
-    base = Path(resolve_model_path(read_drafter_config(drafter)["base_model_name_or_path"]))
+    base = locate(read_drafter_config(drafter)["base_model_name_or_path"])
     dest.mkdir()
     for source, name in ((drafter, "medusa1"), (base, "base")):
         (dest / name).mkdir()
@@ -217,9 +217,9 @@ def run_pack(args: argparse.Namespace) -> int:
         fail(f"--tiny-drafter {drafter}: no config.json (train it: python -m train medusa1 +model=tiny)")
     questions = Path(args.questions) if args.questions else None
     if questions is None:
-        from inference.prompt_sets import DEFAULT_QUESTIONS  # deferred: after the package checks
+        from inference.prompt_sets import default_questions  # deferred: after the package checks
 
-        questions = DEFAULT_QUESTIONS
+        questions = default_questions()
     if not questions.is_file():
         fail(f"--questions {questions}: not a file")
     size = pack_tiny(drafter, dest, questions)

@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from data.collate import ChatCollator  # noqa: E402
 from data.datasets import build_datasets  # noqa: E402
 from models.checkpoint import load_drafter_target, read_drafter_config  # noqa: E402
-from models.loading import load_target, load_tokenizer, model_settings  # noqa: E402
+from models.loading import load_target, load_tokenizer  # noqa: E402
+from models.refs import model_settings  # noqa: E402
 from train.base import prompt_ids  # noqa: E402
 from train.config import register_configs  # noqa: E402
 from train.quality_guard import greedy_agreement, greedy_reference, lm_quality  # noqa: E402
@@ -49,17 +50,17 @@ def main() -> None:
     settings = model_settings(base)
     register_configs()
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["+model=tiny", f"model.path={settings['path']}",
+        cfg = compose(config_name="train", overrides=["+model=tiny", f"model.path={settings.path}",
                                                       f"data={args.data}", *args.overrides,
                                                       f"eval.greedy_prompts={args.prompts}"])
-    tokenizer = load_tokenizer(settings["path"], cfg.data.chat_template)
+    tokenizer = load_tokenizer(settings.ref, cfg.data.chat_template)
     validation = build_datasets(cfg.data, tokenizer).validation
     if validation is None:
         raise SystemExit(f"data={args.data}: no validation split")
     collate = ChatCollator(tokenizer.pad_token_id)
     starts = range(0, len(validation), 8)[: args.batches]  # collate only the batches scored
     batches = [collate([validation[j] for j in range(i, min(i + 8, len(validation)))]) for i in starts]
-    original = load_target(settings["path"], dtype=args.dtype)
+    original = load_target(settings.ref, dtype=args.dtype)
     tuned = load_drafter_target(args.checkpoint, base, dtype=args.dtype)
     before, after = lm_quality(original, batches), lm_quality(tuned, batches)
     reference = greedy_reference(original, prompt_ids(cfg, tokenizer), tokenizer, args.new_tokens, 8)

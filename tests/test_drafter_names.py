@@ -1,5 +1,5 @@
 """A model config name (conf/model/<name>.yaml) names the same model wherever a drafter is named: `--drafter`,
-`load(...)`, bench's `--assistant` and training's `method.draft` all read it through models.builtin.model_settings."""
+`load(...)`, bench's `--assistant` and training's `method.draft` all read it through models.refs.model_settings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from data.errors import UsageError
 from inference.cli import build_parser
 from inference.registry import names_draft_model, resolve
 from inference.session import check_model_args
-from models.builtin import model_settings
+from models.refs import model_settings
 from tests.conftest import build_tiny_lm
 from tests.model_support import save_tiny_model
 from train.distill import draft_path
@@ -25,7 +25,7 @@ def saved_model(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name, path", [("smollm2-draft", "early_exit:smollm2:8"),
                                         ("tiny-draft", "builtin:tiny-draft")])
 def test_a_conf_model_name_resolves_to_its_draft_model(name, path):
-    assert model_settings(name)["path"] == path
+    assert model_settings(name).path == path
     request = resolve(name, "smollm2")
     assert (request.type, request.label, str(request.path)) == ("draft_model", name, path)
     assert request.config["draft_model_path"] == path and request.plain_model

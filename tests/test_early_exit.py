@@ -20,8 +20,9 @@ from inference.cli import main
 from inference.draft_model import DraftModelDrafter, is_plain_model
 from inference.generate import DecodeConfig, generate
 from models import early_exit
-from models.early_exit import build_early_exit_draft, ensure_early_exit, parse_early_exit
-from models.loading import ModelLoadError, resolve_model_path
+from models.early_exit import build_early_exit_draft, ensure_early_exit
+from models.loading import ModelLoadError
+from models.refs import BuiltinRef, ConfRef, EarlyExitRef, LocalRef, locate, model_settings, parse_model
 from tests.model_support import save_tiny_model
 from tests.test_distill import ROOT, WORDS
 from tests.test_draft_model import left_pad, plain_greedy
@@ -36,6 +37,12 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(root))
     return root
+
+
+def ensure(name: str) -> Path:
+    """ensure_early_exit for a name, uncached (models.refs.locate memoises): a changed source is seen."""
+    ref = parse_model(name)
+    return ensure_early_exit(ref, locate(ref.source), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -99,28 +106,27 @@ def test_built_once_per_source_and_layer_count(sources, cache, tmp_path, monkeyp
     real = early_exit.build_early_exit_draft
     monkeypatch.setattr(early_exit, "build_early_exit_draft", lambda *a, **k: builds.append(a[1]) or real(*a, **k))
     name = f"early_exit:{sources['mistral']}:2"
-    first = ensure_early_exit(name, progress=False)
+    first = ensure(name)
     assert first.parent == cache / "models" / "early_exit" and re.fullmatch(r".*mistral-L2-[0-9a-f]{12}", first.name)
-    assert resolve_model_path(name) == str(first) and ensure_early_exit(name) == first
+    assert locate(name) == first and ensure(name) == first
     assert builds == [2]  # the second and third calls reused the cached folder
-    other = ensure_early_exit(f"early_exit:{sources['mistral']}:3", progress=False)
+    other = ensure(f"early_exit:{sources['mistral']}:3")
     assert other != first and builds == [2, 3]
     copy = save_tiny_model(tmp_path / "copy", "mistral", seed=5, hidden_size=32, layers=LAYERS)  # other weights
-    copied = ensure_early_exit(f"early_exit:{copy}:2", progress=False)
+    copied = ensure(f"early_exit:{copy}:2")
     assert copied not in (first, other) and builds == [2, 3, 2]
     os.utime(copy / "model.safetensors", ns=(1, 1))  # the source changed (rewritten): a fresh build, not a stale one
-    assert ensure_early_exit(f"early_exit:{copy}:2", progress=False) != copied and builds == [2, 3, 2, 2]
+    assert ensure(f"early_exit:{copy}:2") != copied and builds == [2, 3, 2, 2]
 
 
-def test_model_names_resolve_like_base_models(monkeypatch, sources):
-    """<model> is any model name, looked up the way `--base` is (models.loading.model_settings: conf/model names)."""
-    assert early_exit.model_settings("smollm2")["path"] == "builtin:smollm2"  # conf/model/smollm2.yaml
-    monkeypatch.setattr(early_exit, "model_settings", lambda name: {"path": str(sources["llama"]) if name == "mine"
-                                                                    else name})
-    assert early_exit.source_location("mine") == str(sources["llama"])
-    folder = ensure_early_exit("early_exit:mine:1", progress=False)
-    assert folder.name.startswith("mine-L1-")
-    assert json.loads((folder / early_exit.PROVENANCE_FILE).read_text())["source"] == "mine"
+def test_model_names_resolve_like_base_models(sources, cache):
+    """<model> is any model name, parsed the way `--base` is (models.refs: conf/model names too); the draft's
+    provenance names the source as written."""
+    ref = parse_model("early_exit:smollm2:8")
+    assert isinstance(ref.source, ConfRef) and model_settings(ref.source).ref == BuiltinRef("smollm2")
+    folder = locate(f"early_exit:{sources['llama']}:1")
+    assert re.fullmatch(r".*llama-L1-[0-9a-f]{12}", folder.name)
+    assert json.loads((folder / early_exit.PROVENANCE_FILE).read_text())["source"] == str(sources["llama"])
 
 
 @pytest.mark.parametrize("name, message", [
@@ -128,12 +134,12 @@ def test_model_names_resolve_like_base_models(monkeypatch, sources):
     ("early_exit:{llama}:4", "early_exit:{llama}:4: layers must be in [1, 3] (the model has 4 decoder layers)"),
     ("early_exit:{llama}", "'early_exit:{llama}': expected early_exit:<model>:<layers>, e.g. early_exit:smollm2:8"),
     ("early_exit:{llama}:two", "expected early_exit:<model>:<layers>"),
-    ("early_exit:/no/such/model:2", "early_exit:/no/such/model:2: no model folder at /no/such/model"),
+    ("early_exit:/no/such/model:2", "early_exit:/no/such/model:2: model path '/no/such/model' does not exist"),
 ])
 def test_bad_layer_counts_are_one_line(sources, cache, name, message):
     name, message = name.format(**sources), message.format(**sources)
     with pytest.raises(ModelLoadError) as info:
-        resolve_model_path(name)
+        locate(name)
     assert message in str(info.value) and "\n" not in str(info.value)
     assert not (cache / "models" / "early_exit").exists() or not any((cache / "models" / "early_exit").iterdir())
 
@@ -159,8 +165,9 @@ def test_stopper_and_distill_take_the_spelling(sources):
 
 
 def test_parse():
-    assert parse_early_exit("early_exit:smollm2:8") == early_exit.EarlyExitName("smollm2", 8)
-    assert parse_early_exit("early_exit:builtin:tiny:2") == early_exit.EarlyExitName("builtin:tiny", 2)
+    assert parse_model("early_exit:smollm2:8") == EarlyExitRef(parse_model("smollm2"), 8)
+    assert parse_model("early_exit:builtin:tiny:2") == EarlyExitRef(BuiltinRef("tiny"), 2)
+    assert parse_model("early_exit:./m:3") == EarlyExitRef(LocalRef("./m"), 3)
     assert is_plain_model("early_exit:smollm2:8")
 
 
@@ -169,7 +176,7 @@ def test_engine_decoding_with_the_early_exit_draft_equals_plain_greedy(sources, 
     """Batch of left-padded prompts through generate with the draft as DraftModelDrafter (per-row acceptance), and
     the same through load(drafter_path="early_exit:..."): both equal plain greedy, token for token."""
     target = load_lm(sources["llama"])
-    draft = load_lm(ensure_early_exit(f"early_exit:{sources['llama']}:3", progress=False))
+    draft = load_lm(ensure(f"early_exit:{sources['llama']}:3"))
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]]
     ids, mask = left_pad(prompts)
     out = generate(target, ids, DraftModelDrafter(draft, gamma), DecodeConfig(max_new_tokens=16), mask)
@@ -231,7 +238,7 @@ def test_distill_an_early_exit_draft_with_the_chat_models_recipe(sources, alpaca
     assert config["training"]["config"]["method"]["draft"] == f"early_exit:{target}:2"
     metrics = config["training"]["metrics"]
     assert metrics["eval_alpha"] != metrics["eval_initial_alpha"]  # the draft trained
-    trained, built = load_lm(out / "draft"), load_lm(ensure_early_exit(f"early_exit:{target}:2", progress=False))
+    trained, built = load_lm(out / "draft"), load_lm(ensure(f"early_exit:{target}:2"))
     assert trained.config.num_hidden_layers == 2 and trained.lm_head.weight is trained.model.embed_tokens.weight
     assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight, built.model.layers[0].mlp.up_proj.weight)
     engine = load(out, dtype="fp32")
@@ -255,7 +262,7 @@ def test_acceptance_script_replays_the_engine(sources, gamma):
     engine's own count when decoding with the early-exit draft."""
     script = load_script("early_exit_acceptance")
     target = load_lm(sources["llama"])
-    draft = load_lm(ensure_early_exit(f"early_exit:{sources['llama']}:3", progress=False))
+    draft = load_lm(ensure(f"early_exit:{sources['llama']}:3"))
     accepted = []
     for prompt in ([5, 6, 7], [40, 41, 42, 43, 44]):
         out = generate(target, torch.tensor([prompt]), DraftModelDrafter(draft, gamma), DecodeConfig(max_new_tokens=24))
@@ -281,7 +288,7 @@ def test_acceptance_script_scores_a_draft_model_like_its_exit_layer(sources):
     layer's."""
     script = load_script("early_exit_acceptance")
     target = load_lm(sources["llama"])
-    draft = load_lm(ensure_early_exit(f"early_exit:{sources['llama']}:2", progress=False))
+    draft = load_lm(ensure(f"early_exit:{sources['llama']}:2"))
     prompt = [5, 6, 7]
     answer = plain_greedy(target, prompt, 16)
     assert script.draft_matches(draft, prompt, answer) == script.exit_matches(target, prompt, answer, [2])[2]

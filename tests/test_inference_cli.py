@@ -308,16 +308,16 @@ def test_cost_curve_and_tree_plan():
 
 
 def test_model_settings_read_conf_model_files_global_or_not():
-    from models.loading import model_settings
+    from models.refs import BuiltinRef, HubRef, LocalRef, ModelSettings, model_settings
 
     # tiny.yaml is a global package (model keys under `model`); tiny-draft.yaml and vicuna7b.yaml are plain.
-    assert model_settings("tiny") == {"path": "builtin:tiny", "dtype": "fp32", "chat_template": None}
+    assert model_settings("tiny") == ModelSettings(BuiltinRef("tiny"), "fp32", None)
     assert model_settings("builtin:tiny") == model_settings("tiny")
-    assert model_settings("builtin:tiny-draft")["path"] == "builtin:tiny-draft"
+    assert model_settings("builtin:tiny-draft").path == "builtin:tiny-draft"
     vicuna = model_settings("vicuna7b")
-    assert vicuna["path"] == "lmsys/vicuna-7b-v1.3" and vicuna["chat_template"] == "vicuna_v1.1"
-    assert model_settings("/models/x") == {"path": "/models/x", "dtype": None, "chat_template": None}
-    assert model_settings("org/model")["dtype"] is None
+    assert vicuna.path == "lmsys/vicuna-7b-v1.3" and vicuna.chat_template == "vicuna_v1.1"
+    assert model_settings("/models/x") == ModelSettings(LocalRef("/models/x"))
+    assert model_settings("org/model") == ModelSettings(HubRef("org/model"))
 
 
 def test_build_tree_for_an_eagle3_checkpoint(assets, capsys, tmp_path):

@@ -82,9 +82,9 @@ def test_ensure_built_reuses_a_complete_build(built, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache_root))
     stamp = (built / "model.safetensors").stat().st_mtime_ns
     assert tiny.ensure_built("tiny", progress=False) == built
-    from models.loading import resolve_model_path
+    from models.refs import locate
 
-    assert resolve_model_path("builtin:tiny") == str(built)
+    assert locate("builtin:tiny") == built
     assert (built / "model.safetensors").stat().st_mtime_ns == stamp
 
 

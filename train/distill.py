@@ -29,7 +29,8 @@ from data.errors import UsageError
 from inference.draft_model import check_vocab, check_vocab_files, quiet_missing_weights
 from models.backbone import padded_position_ids
 from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
-from models.loading import load_target, model_settings
+from models.loading import load_target
+from models.refs import model_settings
 from train.base import StepOutput
 from train.config import DistillDivergence
 
@@ -132,9 +133,9 @@ def sample_responses(draft: nn.Module, input_ids: torch.Tensor, labels: torch.Te
 def draft_path(draft: str) -> str:
     """method.draft -> a model path: the name of a model config (conf/model/<name>.yaml, e.g. "tiny-draft") gives
     that config's path; anything else (hub id, directory, builtin:<name>, early_exit:<model>:<N>: the first N layers
-    of <model>, see models.early_exit) is used as is and resolved when loaded. Names are models.builtin's
+    of <model>, see models.early_exit) is used as is and located when loaded. Names are models.refs'
     `model_settings`, as `--drafter` and `--base` take them."""
-    return model_settings(draft)["path"]
+    return model_settings(draft).path
 
 
 class Method:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from data.errors import UsageError
-from models.loading import ModelLoadError, resolve_model_path
+from models.loading import ModelLoadError
+from models.refs import locate
 
 log = logging.getLogger("draftsmith")
 
@@ -94,7 +95,7 @@ def deepspeed_settings(cfg: DictConfig) -> dict[str, Any] | None:
         log.info("deepspeed=%s: no launcher environment, running as a one-process world", name)
     from transformers import AutoConfig
 
-    path = resolve_model_path(cfg.model.path)
+    path = locate(cfg.model.path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code, revision=cfg.model.revision)
     except (OSError, ValueError) as e:
