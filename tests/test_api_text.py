@@ -147,3 +147,16 @@ def test_a_tokenizer_without_chat_template_names_the_fix(tmp_path):
     assert isinstance(engine.generate(PROMPT, raw=True, max_new_tokens=2), str)
     templated = load(None, base=str(model_dir), dtype="fp32", chat_template="vicuna_v1.1")
     assert templated.encode(PROMPT)[-1] != templated.encode(PROMPT, raw=True)[-1]
+
+
+def test_a_bare_model_folder_serves_token_ids(tmp_path):
+    """A base folder with weights and config only (no tokenizer files): `load` still serves it, ids in and out, and
+    a text call says what is missing."""
+    model_dir = save_tiny_model(tmp_path / "model")
+    for name in ("chat_template.jinja", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json"):
+        (model_dir / name).unlink(missing_ok=True)
+    engine = load(None, base=str(model_dir), dtype="fp32")
+    assert engine.tokenizer is None
+    assert len(engine.generate([1, 2, 3], max_new_tokens=3, ignore_eos=True).sequences[0]) == 3
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.generate(PROMPT)
