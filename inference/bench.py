@@ -242,8 +242,15 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
         "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids,
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), **code_version(),
+        "command": command_line(), **code_version(),
     }
+
+
+def command_line() -> str:
+    """The command as it was typed: `python -m inference bench ...` for the package, `python <script> ...` else."""
+    program = Path(sys.argv[0])
+    head = ["python", "-m", program.parent.name] if program.name == "__main__.py" else ["python", sys.argv[0]]
+    return shlex.join([*head, *sys.argv[1:]])
 
 
 def code_version() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from inference.api import Engine
 from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes
-from inference.bench import ProgressLog, add_bench_args, answer
+from inference.bench import ProgressLog, add_bench_args, answer, command_line
 from inference.bench_methods import EngineRunner, ForwardCounter, HFRunner, Sampling, assisted_settings, pld_defaults
 from inference.benchstats import (SHOWN_DIVERGENCES, Answer, TurnResult, bandwidth_floor, format_table, greedy_check,
                                   summarize)
@@ -386,3 +386,10 @@ def test_default_questions_follow_the_data_folder(tmp_path, monkeypatch):
     args = parser.parse_args([])
     questions, taken = load_questions(args.questions)
     assert [q.question_id for q in questions] == [7] and taken == {"mt_bench": 1}
+
+
+def test_the_command_line_is_recorded_as_typed(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/x/site-packages/inference/__main__.py", "bench", "--out", "a b"])
+    assert command_line() == "python -m inference bench --out 'a b'"
+    monkeypatch.setattr("sys.argv", ["scripts/bench_suite.py", "conf/bench/smollm2.yaml"])
+    assert command_line() == "python scripts/bench_suite.py conf/bench/smollm2.yaml"
