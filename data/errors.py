@@ -3,7 +3,7 @@
 It lives in the lowest layer so that every layer raises the same class (data <- models <- inference <- train <-
 tools). The message is the one line the user sees: it names the flag, config key, file or line at fault. Each
 package's own kinds (DataError below, data.templates.ChatTemplateError, models.loading.ModelLoadError,
-models.checkpoint.CheckpointError, inference.tree.TreeError, ...) subclass it, so a command line catches
+models.checkpoint.CheckpointError, inference.engine.tree.TreeError, ...) subclass it, so a command line catches
 `UsageError` once, prints `error: <message>` and exits non-zero before any expensive work. It is a ValueError:
 library callers that catch ValueError keep working.
 """

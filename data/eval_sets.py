@@ -1,8 +1,9 @@
 """The public evaluation prompts (the benchmark's sets), seen from the training side: no train conversation may ask one.
 
-The sets live in $DRAFTSMITH_DATA, by default the `shared/data` folder next to the repository (inference.prompt_sets
-reads the benchmark prompts from the same place). A train conversation is contaminated when its first user turn,
-normalised (casefolded, whitespace runs made one space, stripped), matches the first turn of a set's prompt:
+The sets live in $DRAFTSMITH_DATA, by default the `shared/data` folder next to the repository
+(inference.bench.prompt_sets reads the benchmark prompts from the same place). A train conversation is contaminated when
+its first user turn, normalised (casefolded, whitespace runs made one space, stripped), matches the first turn of a
+set's prompt:
     mt_bench   mt_bench/question.jsonl        "turns"[0]   equal
     gsm8k      gsm8k/test.jsonl               "question"   equal
     humaneval  humaneval/HumanEval.jsonl.gz   "prompt"     contained (users wrap the function in their own words)

@@ -2,8 +2,8 @@
 
     python -m data.jacobi --model tiny --output traj.jsonl [--data default] [--block-size 16] [data.path=... ...]
 
-The collector that runs the target is inference.collect_jacobi (beside inference.self_distill, the other collector);
-this module's `__main__` block hands the command line to it.
+The collector that runs the target is inference.collect.jacobi_trajectories (beside inference.collect.self_distill, the
+other collector); this module's `__main__` block hands the command line to it.
 
 One JSONL line per prompt (a `datasets.load_dataset("json", ...)`-loadable file):
     {"id", "prompt_ids", "answer_ids", "answer_labels", "block_size", "init",
@@ -362,6 +362,6 @@ class PackedTrajectoryCollator:
 
 
 if __name__ == "__main__":  # `python -m data.jacobi`: the collector is a tool that drives the engine
-    from inference.collect_jacobi import main
+    from inference.collect.jacobi_trajectories import main
 
     raise SystemExit(main())

@@ -5,19 +5,21 @@
     out = engine.generate(prompt_ids, max_new_tokens=128)
     out.sequences, out.stats
 
-Modules: tree (choice paths -> buffers), verify (greedy / typical (lossy) / rejection sampling), cache (tree masks
-and KV surgery), drafters (Drafter protocol, NoDrafter, MedusaDrafter), draft_model (DraftModelDrafter), generate (the
-loop), api (load + Engine), devices (where a target split by device_map computes).
+Subpackages, each importing only those before it: kernels (CPU linear and attention) <- engine (tree buffers,
+verification, cache surgery, the drafter protocol, the loop, devices) <- drafters (Medusa, draft model, EAGLE-3,
+Jacobi, lookahead, prompt lookup, the registry) <- api (load + Engine), textstream, session (a command line's model
+options) <- collect (self-distillation, Jacobi trajectories), bench (benchmarks, build-tree) <- cli.
 """
 
 from inference.api import Engine, load
-from inference.draft_model import DraftModelDrafter
-from inference.drafters import DecodeState, Draft, Drafter, MedusaDrafter, NoDrafter
-from inference.generate import DecodeConfig, GenerationOutput, GenerationStats, StepTimes, generate
-from inference.lookahead import LookaheadDrafter, TokenTrie
-from inference.prompt_lookup import PromptLookupDrafter
-from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
-from inference.verify import (
+from inference.drafters.draft_model import DraftModelDrafter
+from inference.drafters.lookahead import LookaheadDrafter, TokenTrie
+from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.engine.drafter import DecodeState, Draft, Drafter, NoDrafter
+from inference.engine.loop import DecodeConfig, GenerationOutput, GenerationStats, StepTimes, generate
+from inference.engine.tree import TreeBuffers, TreeError, build_tree, load_tree
+from inference.engine.verify import (
     SamplingParams, VerifyResult, verify_greedy, verify_rejection, verify_speculative, verify_typical,
 )
 

@@ -9,7 +9,7 @@
 
 The checkpoint's config.json names the drafter type ("drafter_type") and the base model it was trained for
 ("base_model_name_or_path"); `load` resolves the argument and builds the drafter through the one registry,
-inference.registry.DRAFTERS, so a new drafter type adds one entry there and keeps this call unchanged.
+inference.drafters.registry.DRAFTERS, so a new drafter type adds one entry there and keeps this call unchanged.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ import torch
 from data.chat import encode_prompt
 from data.collate import left_pad
 from data.templates import TEMPLATES
-from inference.devices import input_device
-from inference.drafters import Drafter
-from inference.generate import DecodeConfig, GenerationOutput, generate
-from inference.registry import API, MEDUSA_TOPK, DrafterRequest, LoadOptions, resolve
+from inference.drafters.registry import API, MEDUSA_TOPK, DrafterRequest, LoadOptions, resolve
+from inference.engine.devices import input_device
+from inference.engine.drafter import Drafter
+from inference.engine.loop import DecodeConfig, GenerationOutput, generate
+from inference.engine.tree import TreeBuffers
+from inference.engine.verify import SamplingParams
 from inference.textstream import TextStream
-from inference.tree import TreeBuffers
-from inference.verify import SamplingParams
-from models.checkpoint import load_drafter_target
 from models.backbone import eos_token_ids
+from models.checkpoint import load_drafter_target
 from models.loading import TOKENIZER_FILES, load_target, load_tokenizer
 from models.refs import LocalRef, ModelSettings, model_settings
 
@@ -58,7 +58,7 @@ class Engine:
         self.model = model
         self.drafter = drafter
         self.drafter_config = drafter_config
-        self.cpu_kernel = cpu_kernel  # few-row bf16 CPU linears through inference.cpu_kernels (False: stock only)
+        self.cpu_kernel = cpu_kernel  # few-row bf16 CPU linears through kernels.cpu_linear (False: stock only)
         self.tokenizer = tokenizer  # None: ids only
         self.chat_template = chat_template  # a shipped template name or Jinja string; None: the tokenizer's own
 
@@ -251,9 +251,9 @@ def load(
 ) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
-    `drafter_path` is anything inference.registry.resolve names: a draftsmith checkpoint directory, a plain causal
-    LM sharing the base's tokenizer (a model directory, "builtin:<name>" or "early_exit:<model>:<N>": it drafts as a
-    draft model; `tree="chain:<n>"` sets the draft length), a drafter spec ("prompt_lookup", "jacobi:n=32", ...),
+    `drafter_path` is anything inference.drafters.registry.resolve names: a draftsmith checkpoint directory, a plain
+    causal LM sharing the base's tokenizer (a model directory, "builtin:<name>" or "early_exit:<model>:<N>": it drafts
+    as a draft model; `tree="chain:<n>"` sets the draft length), a drafter spec ("prompt_lookup", "jacobi:n=32", ...),
     None for plain autoregressive decoding through the same loop (the baseline), or a request already resolved.
     `base` defaults to the checkpoint's base_model_name_or_path; a model name of conf/model ("tiny", "smollm2",
     "vicuna7b") means what it means on the command line. `dtype` defaults to the one the drafter was trained in, else
@@ -261,15 +261,15 @@ def load(
     base model's; `chat_template` (a shipped template name or a Jinja string) to the conf/model's, else the one the
     drafter was trained with, else the tokenizer's own.
 
-    `tree` is a tree spec for tree drafters (see inference.tree.load_tree); None uses the shipped default for the
+    `tree` is a tree spec for tree drafters (see inference.engine.tree.load_tree); None uses the shipped default for the
     drafter's head count. `tp_plan="auto"` under torchrun shards the target tensor-parallel across the processes
     (`device` is then each process's own device); every process runs the same loop and returns the same tokens.
     `device_map` ("auto", "balanced", a dict or a JSON file, see models.loading.resolve_device_map) splits a target
     too big for one device across several (accelerate dispatch; "disk" entries need `offload_folder`); `device` is
     then unused: the engine works on the input embeddings' device and Medusa heads sit on the lm_head's. `draft_stop`
-    (draft models only: "fixed", "confidence:<t>", "learned[:<t>]", see inference.draft_stop) sets when drafting
-    stops; by default a checkpoint's learned stopper is used when it has one. `head_vocab=S` (Medusa heads only) lets
-    the heads draft only the S tokens most frequent in their training data (the checkpoint's
+    (draft models only: "fixed", "confidence:<t>", "learned[:<t>]", see inference.drafters.draft_stop) sets when
+    drafting stops; by default a checkpoint's learned stopper is used when it has one. `head_vocab=S` (Medusa heads
+    only) lets the heads draft only the S tokens most frequent in their training data (the checkpoint's
     token_counts.safetensors): a cheaper projection, the same lossless verification. Every argument is checked, and
     the tokenizer loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)

@@ -20,23 +20,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 from data.errors import UsageError
-from inference.bench import add_bench_args
-from inference.generate import check_context
-from inference.session import add_model_args, add_sampling_args, check_sampling, encode_messages, open_session
+from inference.bench.run import add_bench_args
+from inference.bench.tree_fit import add_build_tree_args
+from inference.engine.loop import check_context
+from inference.session import (EXIT_USAGE, TRACEBACK_ENV, Parser, add_model_args, add_sampling_args, check_sampling,
+                               encode_messages, one_line, open_session)
 from inference.textstream import TextStream
-from inference.tree_builder import add_build_tree_args
-
-EXIT_USAGE = 2
-TRACEBACK_ENV = "DRAFTSMITH_TRACEBACK"  # set to get the traceback instead of the one-line error
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
 
 
 def read_chat(value: str) -> list[dict[str, str]]:
@@ -156,9 +148,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
 
-
-def one_line(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.filename:  # output folder not writable, disk full
-        return f"{err.filename}: {err.strerror or err}"
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -7,8 +7,9 @@ Bad input raises data.errors.UsageError (one line); inference.cli prints it and 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
@@ -16,11 +17,29 @@ from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
 from inference.api import attach, load, load_text_side, trained_setting
-from inference.drafter_spec import DrafterSpec
-from inference.generate import check_context
-from inference.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
+from inference.drafters.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
+from inference.drafters.spec import DrafterSpec
+from inference.engine.loop import check_context
 from models.loading import located, model_config
 from models.refs import BuiltinRef, EarlyExitRef, LocalRef, ModelRef, model_settings
+
+
+# How every command line here (python -m inference, scripts/bench_suite.py) reports bad input: one line, status 2.
+EXIT_USAGE = 2
+TRACEBACK_ENV = "DRAFTSMITH_TRACEBACK"  # set to get the traceback instead of the one-line error
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename:  # output folder not writable, disk full
+        return f"{err.filename}: {err.strerror or err}"
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @dataclass(frozen=True)
@@ -68,7 +87,7 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--no-cpu-kernel", action="store_true",
                    help="run bf16 CPU linears on stock PyTorch only (default: decode steps of up to 4 rows, or "
                         "32 with AMX, use the engine's own kernel on x86 CPUs with AVX2 or AVX-512; "
-                        "inference.cpu_kernels)")
+                        "inference.kernels.cpu_linear)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -106,7 +125,7 @@ def drafter_spec(name: str, pairs: Sequence[str]) -> str:
 
 def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOptions]:
     """Every model option (see `add_model_args`) that can be checked without loading a model: the drafter resolved
-    (inference.registry) and the options its type takes, a base path that does not exist, threads, placement, a
+    (inference.drafters.registry) and the options its type takes, a base path that does not exist, threads, placement, a
     --max-new-tokens beyond the base model's context (its config.json). Raises UsageError or ValueError (one line)."""
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")

@@ -3,10 +3,10 @@
     python scripts/bench_cpu_kernel.py --base smollm2                  # K = 1, 2, 4, 8, 16, 24, 32 tree nodes
     python scripts/bench_cpu_kernel.py --base smollm2 --sizes 1,16 --rounds 5
 
-Times `build-tree`'s cost curve (inference.tree_builder.measure_forward_cost: a K-node tree forward on a cache of
---context tokens, plus greedy verification) three ways: stock PyTorch, with the kernel (inference.cpu_kernels), and
-with the kernel plus the masked-GQA attention path (inference.attention) as `generate` serves; on CPUs where the
-kernel takes more than 4 rows (AMX, AVX-512-BF16) also with it limited to 4 rows (the kernel for 1-4 rows, stock
+Times `build-tree`'s cost curve (inference.bench.tree_fit.measure_forward_cost: a K-node tree forward on a cache of
+--context tokens, plus greedy verification) three ways: stock PyTorch, with the kernel (inference.kernels.cpu_linear),
+and with the kernel plus the masked-GQA attention path (inference.kernels.attention) as `generate` serves; on CPUs where
+the kernel takes more than 4 rows (AMX, AVX-512-BF16) also with it limited to 4 rows (the kernel for 1-4 rows, stock
 above); alternating them round by round so that a busy machine slows all alike, and prints per K the median of each
 and their ratios, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy
 bandwidth); then torch's argmax against the engine's `greedy_argmax` on K rows of logits. Outputs agree with stock to bf16 rounding
@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
-from inference import cpu_kernels  # noqa: E402
-from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
+from inference.bench.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
+from inference.bench.tree_fit import measure_forward_cost  # noqa: E402
+from inference.engine.verify import greedy_argmax  # noqa: E402
+from inference.kernels import cpu_linear  # noqa: E402
 from inference.session import add_model_args, check_model_args, open_session  # noqa: E402
-from inference.tree_builder import measure_forward_cost  # noqa: E402
-from inference.verify import greedy_argmax  # noqa: E402
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--quantization)")
         args.device = "cpu"
         check_model_args(args)  # everything checkable before the kernel builds or a model loads
-        if cpu_kernels.load_kernel() is None:
+        if cpu_linear.load_kernel() is None:
             raise UsageError("the kernel is not available here (it needs an x86 CPU with AVX2 + FMA and a C++ "
                              "compiler; see python scripts/cpu_report.py)")
         session = open_session(args)  # a base that does not load: ModelLoadError, one line
@@ -88,16 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     model = session.engine.model
-    amx = "yes" if cpu_kernels.amx_supported() else "no"
-    dp = "yes" if cpu_kernels.dp_supported() else "no"
+    amx = "yes" if cpu_linear.amx_supported() else "no"
+    dp = "yes" if cpu_linear.dp_supported() else "no"
     print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {amx}, AVX-512-BF16 {dp}, "
           f"{torch.get_num_threads()} threads; {args.context} cached tokens; sizes {sizes}", flush=True)
     # (label, kernel linears, the most rows they take, GQA attention): stock PyTorch, the kernel alone, the engine's
     # serving setup; and where the CPU's wide paths (AMX, AVX-512-BF16) take more than the vector path's 4 rows, the
     # kernel held to those 4
-    wide = cpu_kernels.max_rows(model.config.hidden_size) > cpu_kernels.FMA_ROWS
+    wide = cpu_linear.max_rows(model.config.hidden_size) > cpu_linear.FMA_ROWS
     variants = (("stock", False, None, False),
-                *((("kernel<=4", True, cpu_kernels.FMA_ROWS, False),) if wide else ()),
+                *((("kernel<=4", True, cpu_linear.FMA_ROWS, False),) if wide else ()),
                 ("kernel", True, None, False), ("kernel+gqa", True, None, True))
     times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in sizes} for name, *_ in variants}
     for round_ in range(args.rounds):

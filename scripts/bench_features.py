@@ -4,7 +4,7 @@ Both on the same conversations of a data recipe, with the same target, in one ru
   features      train.features.forward_features over length-bucketed batches of whole conversations (what
                 `python -m train features` runs per batch): tokens/s of conversation tokens
   self-distill  the engine's batched greedy generation of the first assistant turn (what data.self_distill runs,
-                inference.self_distill): tokens/s of generated tokens
+                inference.collect.self_distill): tokens/s of generated tokens
 The ratio is what makes a large cache cheap: a token of features costs 1/ratio of a generated one.
 
     python scripts/bench_features.py --base smollm2 --data sharegpt_v3 [--dtype fp32] [--conversations 64]
@@ -23,13 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.chat import encode_chat  # noqa: E402
 from data.collate import ChatCollator  # noqa: E402
 from data.config import load_data_config  # noqa: E402
-from data.chat import encode_chat  # noqa: E402
 from data.datasets import load_conversations  # noqa: E402
 from inference.api import Engine  # noqa: E402
-from inference.drafters import NoDrafter  # noqa: E402
-from inference.self_distill import SelfDistillConfig, self_distill  # noqa: E402
+from inference.collect.self_distill import SelfDistillConfig, self_distill  # noqa: E402
+from inference.engine.drafter import NoDrafter  # noqa: E402
 from models.loading import load_target, load_tokenizer  # noqa: E402
 from models.refs import model_settings  # noqa: E402
 from train.features import LayerTaps, forward_features, plan_shards  # noqa: E402

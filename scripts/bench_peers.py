@@ -15,7 +15,7 @@ subprocess (scripts/peer_medusa.py) that answers prompt ids with token ids and t
     hf_pld       transformers' generate(prompt_lookup_num_tokens=..) vs our prompt_lookup, same draft length/n-gram
                  (the HF rows run in this process: they are part of the transformers we use)
     eagle        not run: see EAGLE_REASON
-Output: the table (inference.peer_bench.format_table), the per-step breakdown, versions and runtime patches, and
+Output: the table (inference.bench.peers.format_table), the per-step breakdown, versions and runtime patches, and
 <out>/peers.json (the record; `--from-record <out>/peers.json` prints its table again without running anything).
 """
 
@@ -40,17 +40,17 @@ import transformers  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
 from inference.api import Engine, attach, load  # noqa: E402
-from inference.registry import CLI, LoadOptions, build_from_spec, resolve  # noqa: E402
-from inference.bench import write_atomic  # noqa: E402
-from inference.bench_methods import HFRunner, Sampling, assisted_settings, pld_defaults  # noqa: E402
-from inference.drafters import NoDrafter  # noqa: E402
-from inference.greedy_ties import Fp64Judge, first_divergence  # noqa: E402
-from inference.peer_bench import (METHODS, PeerBenchError, cartesian_choices, cartesian_paths,  # noqa: E402
+from inference.bench.greedy_ties import Fp64Judge, first_divergence  # noqa: E402
+from inference.bench.methods import HFRunner, Sampling, assisted_settings, pld_defaults  # noqa: E402
+from inference.bench.peers import (METHODS, PeerBenchError, cartesian_choices, cartesian_paths,  # noqa: E402
                                   format_breakdown, format_table)
-from inference.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from inference.prompt_sets import is_set_spec, load_questions, parse_sets  # noqa: E402
+from inference.bench.prompt_sets import is_set_spec, load_questions, parse_sets  # noqa: E402
+from inference.bench.run import write_atomic  # noqa: E402
+from inference.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from inference.drafters.registry import CLI, LoadOptions, build_from_spec, resolve  # noqa: E402
+from inference.engine.drafter import NoDrafter  # noqa: E402
+from inference.engine.tree import TreeError, read_tree_file  # noqa: E402
 from inference.session import Session, encode_messages  # noqa: E402
-from inference.tree import TreeError, read_tree_file  # noqa: E402
 from models.backbone import eos_token_ids  # noqa: E402
 from models.interop import export_medusa  # noqa: E402
 from models.loading import load_tokenizer  # noqa: E402
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default="early_exit:smollm2:8",
                    help="the draft model for hf_assisted and ours (dir, builtin:<name>, early_exit:<model>:<N>, or "
                         "a draft_model checkpoint)")
-    p.add_argument("--draft-stop", help="our draft-model decoding's stop policy (inference.draft_stop: fixed, "
+    p.add_argument("--draft-stop", help="our draft-model decoding's stop policy (inference.drafters.draft_stop: fixed, "
                                         "confidence:<t>, learned[:<t>]); default: the engine's (fixed, 4 tokens). "
                                         "confidence:0.4 is the rule of HF assisted generation's default")
     p.add_argument("--prompts", default="mt_bench:8", help="prompt sets as in `inference bench --questions`")
@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--no-cpu-kernel", action="store_true",
-                   help="our engine on stock PyTorch linears (default: its bf16 CPU kernel; inference.cpu_kernels)")
+                   help="our engine on stock PyTorch linears (default: its bf16 CPU kernel; inference.kernels.cpu_linear)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method before timing")
     p.add_argument("--venv-dir", default=str(Path.home() / ".cache" / "draftsmith" / "peers"))
@@ -375,7 +375,7 @@ def alternate(runners: dict[str, Callable], prompts: list[list[int]], args: argp
 
 def judge_divergences(record: dict[str, Any], model: Any) -> dict[str, list[dict[str, Any]]]:
     """Each answer that differs from our plain greedy (ar), judged at its first differing token by the bench's rule
-    (inference.greedy_ties: a near tie when, in a float64 rerun, both tokens there and every later token of the
+    (inference.bench.greedy_ties: a near tie when, in a float64 rerun, both tokens there and every later token of the
     method lie within the run dtype's stated rounding tolerance of the greedy choice, else a mismatch). The target
     is the same weights in every stack, so our float64 rerun rules on the peers' answers too."""
     judge = Fp64Judge(model)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.collect_jacobi import main  # noqa: E402
+from inference.collect.jacobi_trajectories import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,7 +4,7 @@
 
 The CPU model and its vector/matrix flags (lscpu, else /proc/cpuinfo), torch's choice of kernels (its ATen CPU
 capability, BLAS/oneDNN build, what it detects), which of bitsandbytes' two CPU 4-bit paths NF4 layers take, and which
-paths of the engine's own bf16 linear (inference/cpu_kernels.py) this CPU can take (nothing is built here).
+paths of the engine's own bf16 linear (inference/kernels/cpu_linear.py) this CPU can take (nothing is built here).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference import cpu_kernels  # noqa: E402
+from inference.kernels import cpu_linear  # noqa: E402
 
 RELEVANT_PREFIXES = ("avx512", "amx")
 RELEVANT_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni")
@@ -69,14 +69,14 @@ def bitsandbytes_line() -> str:
 
 
 def engine_kernel_line(flags: list[str]) -> str:
-    if not cpu_kernels.cpu_supported():
+    if not cpu_linear.cpu_supported():
         return "draftsmith bf16 CPU kernel: not on this CPU (needs AVX2 + FMA): stock PyTorch linears"
-    isa = "AVX-512" if cpu_kernels.avx512_supported() else "AVX2"
-    rows = f"{isa} for 1-{cpu_kernels.FMA_ROWS} rows"
-    if cpu_kernels.amx_supported():
-        rows += f", AMX for 2-{cpu_kernels.AMX_ROWS}"
-    elif cpu_kernels.avx512_supported() and "avx512_bf16" in flags:
-        rows += f", AVX-512-BF16 for 2-{cpu_kernels.DP_ROWS}"
+    isa = "AVX-512" if cpu_linear.avx512_supported() else "AVX2"
+    rows = f"{isa} for 1-{cpu_linear.FMA_ROWS} rows"
+    if cpu_linear.amx_supported():
+        rows += f", AMX for 2-{cpu_linear.AMX_ROWS}"
+    elif cpu_linear.avx512_supported() and "avx512_bf16" in flags:
+        rows += f", AVX-512-BF16 for 2-{cpu_linear.DP_ROWS}"
     return f"draftsmith bf16 CPU kernel: {rows} (built on first use; --no-cpu-kernel for stock)"
 
 

@@ -15,7 +15,7 @@ Sections, on a random Llama of Llama-2-7B's shapes (random weights: the shapes d
             time, plain and K-node tree decoding with per-phase times (draft, forward, verify, cache, other), the
             engine efficiency; greedy identity of the trees vs our plain loop vs Hugging Face `generate`, each
             first divergence re-run in fp32 (fp64 on a CPU) and counted as a near tie or a real mismatch
-            (inference.greedy_ties)
+            (inference.bench.greedy_ties)
     tiny    `python -m inference bench` of the tiny target's Medusa-1 heads (README setup: MT-bench first turns, 128
             new tokens, greedy, fp32), from a bundle made by --pack-tiny; skipped, with the reason, without one
 A section that fails records its error and the run goes on; the exit status is then 1. Bad arguments end with one line
@@ -48,7 +48,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_check_report, ho
 SECTIONS = ("train", "nf4", "engine", "tiny")
 # What the sections import (transformers and its own dependencies, omegaconf, hydra-core, accelerate): tried after the
 # argument checks, so a machine that lacks a package says so in one line before any model is built.
-REQUIRED = ("transformers", "train.medusa1_cost", "inference.engine_check", "inference.cli")
+REQUIRED = ("transformers", "train.medusa1_cost", "inference.bench.engine_check", "inference.cli")
 BUNDLE_FILES = ("medusa1/config.json", "medusa1/drafter.safetensors", "base/config.json", "question.jsonl")
 JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.txt"
 
@@ -217,7 +217,7 @@ def run_pack(args: argparse.Namespace) -> int:
         fail(f"--tiny-drafter {drafter}: no config.json (train it: python -m train medusa1 +model=tiny)")
     questions = Path(args.questions) if args.questions else None
     if questions is None:
-        from inference.prompt_sets import default_questions  # deferred: after the package checks
+        from inference.bench.prompt_sets import default_questions  # deferred: after the package checks
 
         questions = default_questions()
     if not questions.is_file():
@@ -270,7 +270,7 @@ def nf4_section(path: Path, plan: Plan, device: torch.device, seed: int, bf16: d
 
 
 def engine_section(model: torch.nn.Module, plan: Plan, device: torch.device, seed: int, progress: Progress) -> dict:
-    from inference.engine_check import EngineSetup, check_engine, lm_head_heads  # deferred: after the package checks
+    from inference.bench.engine_check import EngineSetup, check_engine, lm_head_heads  # deferred: after the package checks
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, plan.vocab, (plan.prompt_len,), generator=g).tolist() for _ in range(plan.prompts)]

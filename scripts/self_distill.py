@@ -4,7 +4,7 @@
         --output distilled.jsonl [--drafter <medusa checkpoint>] [--temperature 0.7]
     python -m train medusa2 +model=vicuna7b data=sharegpt data.path=distilled.jsonl
 
-Resumable: rerun the same command after an interruption. Logic: inference/self_distill.py.
+Resumable: rerun the same command after an interruption. Logic: inference/collect/self_distill.py.
 """
 
 import sys
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.self_distill import main  # noqa: E402
+from inference.collect.self_distill import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,9 +7,9 @@ the root), with zero-probability tokens sprinkled in. For one verification step 
   - every draft outcome: the tokens of every tree node, each with its probability under the drafter's scheme
     (children of a node drawn i.i.d. from its q, or without replacement with fillers once q's support is used up),
     or, for deterministic drafts, every assignment of tokens to the nodes (duplicates and fillers included);
-  - every outcome of the rule's random decisions: the rule runs with a `ForkingDraws` (inference.verify.Draws) that
-    replays a script of decisions per row and, at the first decision whose outcome is uncertain, forks the row into
-    one child per outcome, weighted by its exact probability; rows are re-run until every script is complete.
+  - every outcome of the rule's random decisions: the rule runs with a `ForkingDraws` (inference.engine.verify.Draws)
+    that replays a script of decisions per row and, at the first decision whose outcome is uncertain, forks the row
+    into one child per outcome, weighted by its exact probability; rows are re-run until every script is complete.
 The committed block (accepted drafts then the next token), completed to L tokens by the target's own conditionals,
 must then have exactly the target's joint law over L tokens. Everything runs in float64, so "exactly" means 1e-9.
 """
@@ -23,8 +23,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from inference.tree import TreeBuffers
-from inference.verify import SamplingParams, VerifyResult, target_probs
+from inference.engine.tree import TreeBuffers
+from inference.engine.verify import SamplingParams, VerifyResult, target_probs
 
 Context = tuple[int, ...]
 # (tokens [N, K], logits [N, K, V], draft probs [N, K, V] or None, draws) -> the rule's result
@@ -110,7 +110,7 @@ def sampled_drafts(
     tree: TreeBuffers, root: int, drafter: StubLM, params: SamplingParams, replacement: bool
 ) -> list[DraftCase]:
     """Every draft outcome of a drafter that draws each node's children from q(node context) = the drafter's
-    processed law there (as inference.draft_model does), with its probability."""
+    processed law there (as inference.drafters.draft_model does), with its probability."""
     k, vocab = tree.num_nodes, drafter.vocab
     children = [[c for c in row if c >= 0] for row in tree.child_table.tolist()]
     internal = [n for n in range(k) if children[n]]
@@ -143,8 +143,8 @@ def all_assignments(tree: TreeBuffers, root: int, vocab: int) -> list[DraftCase]
 # --- decision outcomes --------------------------------------------------------------------------------------------
 
 class ForkingDraws:
-    """An `inference.verify.Draws` that replays one script of decisions per row. A decision whose outcome is certain
-    (probability 0 or 1) is taken without a script entry; the first uncertain one past the end of a row's script
+    """An `inference.engine.verify.Draws` that replays one script of decisions per row. A decision whose outcome is
+    certain (probability 0 or 1) is taken without a script entry; the first uncertain one past the end of a row's script
     records the row's fork (every outcome with its exact probability) and the rest of that run is ignored for it."""
 
     def __init__(self, scripts: list[tuple[int, ...]]) -> None:

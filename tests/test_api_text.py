@@ -12,8 +12,8 @@ import torch
 from data.chat import encode_prompt
 from inference import load
 from inference.api import attach
-from inference.generate import GenerationOutput
-from inference.registry import API, resolve
+from inference.drafters.registry import API, resolve
+from inference.engine.loop import GenerationOutput
 from models.checkpoint import save_drafter
 from models.loading import load_tokenizer
 from models.medusa import MedusaConfig, MedusaHeads

@@ -1,14 +1,15 @@
-"""inference.attention (masked GQA sdpa without repeat_kv) and verify.greedy_argmax: both must equal stock exactly."""
+"""inference.kernels.attention (masked GQA sdpa without repeat_kv) and verify.greedy_argmax: both must equal stock
+exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from inference.attention import NAME, gqa_attention
-from inference.generate import DecodeConfig, generate
-from inference.jacobi import JacobiDrafter
-from inference.verify import ARGMAX_CHUNK, greedy_argmax
+from inference.drafters.jacobi import JacobiDrafter
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.verify import ARGMAX_CHUNK, greedy_argmax
+from inference.kernels.attention import NAME, gqa_attention
 from tests.conftest import build_tiny_lm
 
 

@@ -27,9 +27,9 @@ from transformers import LlamaConfig
 
 from data.datasets import build_datasets
 from data.readers import DataError
-from inference.drafters import MedusaDrafter
-from inference.tree import TreeError, load_tree
-from inference.verify import SamplingParams
+from inference.drafters.medusa import MedusaDrafter
+from inference.engine.tree import TreeError, load_tree
+from inference.engine.verify import SamplingParams
 from models.checkpoint import CheckpointError, DrafterMismatchError, check_compatible, load_drafter, save_drafter
 from models.interop import load_heads
 from models.loading import ModelLoadError, load_target, load_tokenizer

@@ -1,5 +1,5 @@
 """`python -m inference bench` additions: named prompt sets, the HF speculative baselines (prompt lookup, assisted
-generation), greedy identity judged by a float64 rerun (inference.greedy_ties), the bandwidth floor and progress
+generation), greedy identity judged by a float64 rerun (inference.bench.greedy_ties), the bandwidth floor and progress
 lines for logs."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from inference.api import Engine
-from inference.bandwidth import copy_bandwidth, cpu_name, weight_bytes
-from inference.bench import ProgressLog, add_bench_args, answer, command_line
-from inference.bench_methods import EngineRunner, ForwardCounter, HFRunner, Sampling, assisted_settings, pld_defaults
-from inference.benchstats import (SHOWN_DIVERGENCES, Answer, TurnResult, bandwidth_floor, format_table, greedy_check,
-                                  summarize)
+from inference.bench.bandwidth import copy_bandwidth, cpu_name, weight_bytes
+from inference.bench.greedy_ties import Fp64Judge, TieVerdict
+from inference.bench.methods import EngineRunner, ForwardCounter, HFRunner, Sampling, assisted_settings, pld_defaults
+from inference.bench.prompt_sets import DATA_ENV, HUMANEVAL_TURN, load_questions
+from inference.bench.run import ProgressLog, add_bench_args, answer, command_line
+from inference.bench.stats import (SHOWN_DIVERGENCES, Answer, TurnResult, bandwidth_floor, format_table, greedy_check,
+                                   summarize)
 from inference.cli import UsageError, main
-from inference.drafters import NoDrafter
-from inference.greedy_ties import Fp64Judge, TieVerdict
-from inference.prompt_lookup import PromptLookupDrafter
-from inference.prompt_sets import DATA_ENV, HUMANEVAL_TURN, load_questions
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.engine.drafter import NoDrafter
 from tests.model_support import save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -171,7 +171,7 @@ class ChangedToken:
 
 
 def run_methods(runners: dict, prompt: list[int], n: int = 12) -> dict[str, list[Answer]]:
-    from inference.prompt_sets import Question
+    from inference.bench.prompt_sets import Question
 
     question = Question(1, "a", ("hi",))
     return {name: [answer(r, question, 1, lambda m: prompt, lambda ids: "", n, 0)] for name, r in runners.items()}

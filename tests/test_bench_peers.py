@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from inference.peer_bench import PeerBenchError, cartesian_choices, cartesian_paths, format_table, summarize
-from inference.tree import build_tree
+from inference.bench.peers import PeerBenchError, cartesian_choices, cartesian_paths, format_table, summarize
+from inference.engine.tree import build_tree
 from models.checkpoint import CheckpointError, save_drafter
 from models.interop import export_medusa, import_medusa
 from models.medusa import MedusaConfig, MedusaHeads

@@ -1,4 +1,4 @@
-"""scripts/bench_suite.py (inference.bench_suite): several methods and shared baselines in one alternating run, one
+"""scripts/bench_suite.py (inference.bench.suite): several methods and shared baselines in one alternating run, one
 summary per method, one table; every plan error is one line before any model loads."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.bench_suite import bench_namespace, main, read_plan
 from data.errors import UsageError
+from inference.bench.suite import bench_namespace, main, read_plan
 from tests.test_bench import data_dir, models  # noqa: F401  (fixtures: prompt sets, tiny target + draft)
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.cache import additive, commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
-from inference.tree import build_tree
+from inference.engine.cache import additive, commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.engine.tree import build_tree
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]

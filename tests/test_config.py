@@ -128,7 +128,7 @@ def test_shipped_configs_are_in_range(method):
 
 
 def test_stopper_draft_length_bound_is_the_engines():
-    from inference.draft_model import MAX_GAMMA
+    from inference.drafters.draft_model import MAX_GAMMA
     from train.config import MAX_DRAFT_TOKENS
 
     assert MAX_DRAFT_TOKENS == MAX_GAMMA
@@ -185,7 +185,7 @@ def test_choices_match_the_values_their_consumers_accept():
     from data.config import DataFormat
     from data.jacobi import AR_SOURCES
     from data.readers import FORMATS
-    from inference.jacobi import INITS
+    from inference.drafters.jacobi import INITS
     from models.builtin import DTYPES, QUANTIZATIONS
     from train.config import ArSource, Dtype, JacobiInit, Quantization
 

@@ -1,6 +1,6 @@
 """A generation must fit the target's context (max_position_embeddings): refused in one line before decoding
 (generate(), for Python callers) and, on the command line, before any model loads when --max-new-tokens alone is too
-many; within the context, tree steps at its very end stay exact (inference.generate.within_context)."""
+many; within the context, tree steps at its very end stay exact (inference.engine.loop.within_context)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference.cli import main
-from inference.generate import DecodeConfig, check_context, generate
-from inference.tree import load_tree
+from inference.engine.loop import DecodeConfig, check_context, generate
+from inference.engine.tree import load_tree
 from tests.conftest import tiny_config
 from tests.model_support import save_tiny_model
 from tests.test_generate import OracleDrafter, plain_greedy, random_prompts

@@ -1,5 +1,5 @@
-"""The engine's bf16 CPU linear (inference.cpu_kernels): the same products as F.linear, routed only where it should
-be, restored afterwards, and stock PyTorch wherever it is unsupported or fails to build."""
+"""The engine's bf16 CPU linear (inference.kernels.cpu_linear): the same products as F.linear, routed only where it
+should be, restored afterwards, and stock PyTorch wherever it is unsupported or fails to build."""
 
 from __future__ import annotations
 
@@ -12,30 +12,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import cpu_kernels
 from inference.api import Engine
-from inference.cpu_kernels import fast_linears, max_rows
-from inference.drafters import NoDrafter
-from inference.generate import DecodeConfig, generate
+from inference.engine.drafter import NoDrafter
+from inference.engine.loop import DecodeConfig, generate
+from inference.kernels import cpu_linear
+from inference.kernels.cpu_linear import fast_linears, max_rows
 from tests.conftest import build_tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_supported(), reason="the kernel needs x86 AVX2 + FMA")
+needs_kernel = pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="the kernel needs x86 AVX2 + FMA")
 # (avx512, dp): the vector path a product takes where AMX does not
 VECTOR = [pytest.param((True, False), id="avx512", marks=pytest.mark.skipif(
-              not cpu_kernels.avx512_supported(), reason="no AVX-512 on this CPU")),
+              not cpu_linear.avx512_supported(), reason="no AVX-512 on this CPU")),
           pytest.param((True, True), id="avx512bf16", marks=pytest.mark.skipif(
-              not (cpu_kernels.cpu_supported() and cpu_kernels.dp_supported()), reason="no AVX-512-BF16 here")),
+              not (cpu_linear.cpu_supported() and cpu_linear.dp_supported()), reason="no AVX-512-BF16 here")),
           pytest.param((False, False), id="avx2")]
 AMX = [False, pytest.param(True, marks=pytest.mark.skipif(
-    not (cpu_kernels.cpu_supported() and cpu_kernels.amx_supported()), reason="no AMX on this CPU"))]
+    not (cpu_linear.cpu_supported() and cpu_linear.amx_supported()), reason="no AMX on this CPU"))]
 
 
 class CountingKernel:
     """The built kernel, recording the input rows of each call."""
 
     def __init__(self) -> None:
-        self.real = cpu_kernels.load_kernel()
+        self.real = cpu_linear.load_kernel()
         self.rows: list[int] = []
 
     def linear_bf16(self, x, w, b, amx, avx512, dp):
@@ -70,7 +70,7 @@ def test_kernel_is_the_exact_product_rounded_once(vector, amx, rows, k, n, bias)
     x = torch.randn(2, rows, k, generator=gen).bfloat16()  # 3-D input: leading dims are flattened and restored
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    out = cpu_kernels.linear(x, w, b, amx=amx, avx512=avx512, dp=dp)
+    out = cpu_linear.linear(x, w, b, amx=amx, avx512=avx512, dp=dp)
     assert out.shape == (2, rows, n) and out.dtype == torch.bfloat16
     ref = _reference(x, w, b)
     # fp32 sums of exact products, rounded to bf16 once: within one bf16 unit (2^-8 relative) plus the fp32
@@ -86,7 +86,7 @@ def test_kernel_is_the_exact_product_rounded_once(vector, amx, rows, k, n, bias)
 def test_kernel_keeps_special_values(rows):
     x = torch.tensor([[1.0, 2.0, 0.0, 0.0]] * rows).bfloat16()
     w = torch.tensor([[1.0, 1.0, 0.0, 0.0], [float("inf"), 0.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0]]).bfloat16()
-    for out in cpu_kernels.linear(x, w).float():
+    for out in cpu_linear.linear(x, w).float():
         assert out[0] == 3.0 and out[1] == float("inf") and torch.isnan(out[2])
 
 
@@ -94,27 +94,27 @@ def test_kernel_keeps_special_values(rows):
 def test_rows_routed_follow_the_cpus_paths():
     """Up to 32 rows where AMX (inputs whose width is a multiple of 32) or, on CPUs without AMX, AVX-512-BF16 runs
     them; else up to 4."""
-    widths = {576: cpu_kernels.max_rows(576), 100: cpu_kernels.max_rows(100)}
-    if cpu_kernels.amx_supported():
-        assert widths == {576: cpu_kernels.AMX_ROWS, 100: cpu_kernels.FMA_ROWS}
-    elif cpu_kernels.dp_supported():
-        assert widths == {576: cpu_kernels.DP_ROWS, 100: cpu_kernels.DP_ROWS}
+    widths = {576: cpu_linear.max_rows(576), 100: cpu_linear.max_rows(100)}
+    if cpu_linear.amx_supported():
+        assert widths == {576: cpu_linear.AMX_ROWS, 100: cpu_linear.FMA_ROWS}
+    elif cpu_linear.dp_supported():
+        assert widths == {576: cpu_linear.DP_ROWS, 100: cpu_linear.DP_ROWS}
     else:
-        assert widths == {576: cpu_kernels.FMA_ROWS, 100: cpu_kernels.FMA_ROWS}
+        assert widths == {576: cpu_linear.FMA_ROWS, 100: cpu_linear.FMA_ROWS}
 
 
 @needs_kernel
 def test_routed_entry_runs_only_where_the_kernel_applies():
     """The one C++ call each routed layer makes: the kernel's product where it applies, None (stock runs) for grad
     mode, more rows than allowed, no rows, another dtype, a non-contiguous weight or a bias of another dtype."""
-    kernel = cpu_kernels.load_kernel()
+    kernel = cpu_linear.load_kernel()
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 64, generator=gen).bfloat16()
     b = torch.randn(40, generator=gen).bfloat16()
     x = torch.randn(64, 3, generator=gen).bfloat16().T  # [3, 64], not contiguous: read through a contiguous copy
     with torch.no_grad():
         y = kernel.linear_bf16_routed(x, w, b, 4, False, False)
-        assert y is not None and torch.equal(y, cpu_kernels.linear(x.contiguous(), w, b, amx=False, dp=False))
+        assert y is not None and torch.equal(y, cpu_linear.linear(x.contiguous(), w, b, amx=False, dp=False))
         assert kernel.linear_bf16_routed(x, w, b, 2, False, False) is None  # 3 rows > 2
         assert kernel.linear_bf16_routed(x[:0], w, b, 4, False, False) is None
         assert kernel.linear_bf16_routed(x.float(), w, b, 4, False, False) is None
@@ -129,7 +129,7 @@ def test_routed_entry_runs_only_where_the_kernel_applies():
 def test_fast_linears_routes_few_row_no_grad_calls_and_restores(monkeypatch):
     model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 8)).bfloat16()
     kernel = CountingKernel()
-    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
+    monkeypatch.setattr(cpu_linear, "load_kernel", lambda: kernel)
     rows = max_rows(32)  # 32 with AMX or AVX-512-BF16, else 4
     few, many = torch.randn(rows, 32).bfloat16(), torch.randn(rows + 1, 32).bfloat16()
     with torch.no_grad():
@@ -152,7 +152,7 @@ def test_fast_linears_row_limit_caps_the_routed_rows(monkeypatch):
     the rows a layer routes."""
     model = nn.Sequential(nn.Linear(32, 16)).bfloat16()
     kernel = CountingKernel()
-    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
+    monkeypatch.setattr(cpu_linear, "load_kernel", lambda: kernel)
     with torch.no_grad():
         for limit in (2, 10_000):
             with fast_linears(model, row_limit=limit):
@@ -175,7 +175,7 @@ def test_fast_linears_restores_on_error():
 def test_fast_linears_leaves_ineligible_layers_alone(monkeypatch):
     """fp32 weights, a forward someone else set (accelerate's hooks), or enabled=False: nothing routed, nothing
     built."""
-    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: pytest.fail("no layer is eligible: nothing to build"))
+    monkeypatch.setattr(cpu_linear, "load_kernel", lambda: pytest.fail("no layer is eligible: nothing to build"))
     hooked = nn.Linear(8, 8).bfloat16()
     hooked.forward = lambda x: x
     mixed = nn.Linear(8, 8).bfloat16()
@@ -188,24 +188,24 @@ def test_fast_linears_leaves_ineligible_layers_alone(monkeypatch):
 
 
 def test_unsupported_cpu_or_failed_build_falls_back_to_stock(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
-    monkeypatch.setattr(cpu_kernels, "_failed", False)
-    monkeypatch.setattr(cpu_kernels, "cpu_supported", lambda: False)
+    monkeypatch.setattr(cpu_linear, "_kernel", None)
+    monkeypatch.setattr(cpu_linear, "_failed", False)
+    monkeypatch.setattr(cpu_linear, "cpu_supported", lambda: False)
     layer = nn.Linear(8, 8).bfloat16()
     with fast_linears(layer) as routed:
         assert routed == 0 and "forward" not in vars(layer)
     with pytest.raises(RuntimeError, match="not available"):
-        cpu_kernels.linear(torch.ones(1, 8).bfloat16(), layer.weight)
+        cpu_linear.linear(torch.ones(1, 8).bfloat16(), layer.weight)
 
     # a source that does not compile: one warning, stock from then on
-    monkeypatch.setattr(cpu_kernels, "_failed", False)
-    monkeypatch.setattr(cpu_kernels, "cpu_supported", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_failed", False)
+    monkeypatch.setattr(cpu_linear, "cpu_supported", lambda: True)
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
+    monkeypatch.setattr(cpu_linear, "SOURCE", bad)
     with pytest.warns(UserWarning, match="stock PyTorch linear runs instead"):
-        assert cpu_kernels.load_kernel() is None
+        assert cpu_linear.load_kernel() is None
     with fast_linears(layer) as routed:
         assert routed == 0
 
@@ -223,8 +223,8 @@ class FailingBuild:
 
 def fresh_process(monkeypatch) -> None:
     """The module's state as a new process starts with it."""
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
-    monkeypatch.setattr(cpu_kernels, "_failed", False)
+    monkeypatch.setattr(cpu_linear, "_kernel", None)
+    monkeypatch.setattr(cpu_linear, "_failed", False)
 
 
 def test_failed_build_is_remembered_per_compiler_and_flags(monkeypatch, tmp_path):
@@ -234,18 +234,18 @@ def test_failed_build_is_remembered_per_compiler_and_flags(monkeypatch, tmp_path
 
     build = FailingBuild()
     monkeypatch.setattr(cpp_extension, "load", build)
-    monkeypatch.setattr(cpu_kernels, "cpu_supported", lambda: True)
+    monkeypatch.setattr(cpu_linear, "cpu_supported", lambda: True)
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     fresh_process(monkeypatch)
     with pytest.warns(UserWarning, match="stock PyTorch linear runs instead: RuntimeError: Error building"):
-        assert cpu_kernels.load_kernel() is None
+        assert cpu_linear.load_kernel() is None
     markers = list((tmp_path / "cache" / "kernels").glob("*.failed-*"))
     assert build.calls == 1 and len(markers) == 1
     assert "Error building extension" in markers[0].read_text()
 
     fresh_process(monkeypatch)  # a later process: no second attempt, one line saying why
     with pytest.warns(UserWarning) as notices:
-        assert cpu_kernels.load_kernel() is None
+        assert cpu_linear.load_kernel() is None
     assert build.calls == 1
     [notice] = [str(w.message) for w in notices]
     assert "\n" not in notice and "failed to build before with this compiler and flags" in notice
@@ -255,24 +255,24 @@ def test_failed_build_is_remembered_per_compiler_and_flags(monkeypatch, tmp_path
         assert routed == 0 and "forward" not in vars(layer)
 
     fresh_process(monkeypatch)  # other flags: a new attempt
-    monkeypatch.setattr(cpu_kernels, "CFLAGS", ("-O2", "-fopenmp"))
+    monkeypatch.setattr(cpu_linear, "CFLAGS", ("-O2", "-fopenmp"))
     with pytest.warns(UserWarning, match="unavailable"):
-        cpu_kernels.load_kernel()
+        cpu_linear.load_kernel()
     assert build.calls == 2
 
     fresh_process(monkeypatch)  # another compiler: a new attempt
     monkeypatch.setenv("CXX", sys.executable)  # any runnable program: the identity is its path and --version line
     with pytest.warns(UserWarning, match="unavailable"):
-        cpu_kernels.load_kernel()
+        cpu_linear.load_kernel()
     assert build.calls == 3
     assert len(list((tmp_path / "cache" / "kernels").glob("*.failed-*"))) == 3
 
     fresh_process(monkeypatch)  # a changed source: a new attempt
     source = tmp_path / "linear_bf16.cpp"
-    source.write_text(cpu_kernels.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    source.write_text(cpu_linear.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_linear, "SOURCE", source)
     with pytest.warns(UserWarning, match="unavailable"):
-        cpu_kernels.load_kernel()
+        cpu_linear.load_kernel()
     assert build.calls == 4
 
 
@@ -282,7 +282,7 @@ def test_generate_uses_the_kernel_unless_disabled(monkeypatch):
     CLI's --no-cpu-kernel) keeps it stock. Each step's logits agree with stock to bf16 rounding."""
     model = build_tiny_lm("llama", seed=3).bfloat16()
     kernel = CountingKernel()
-    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: kernel)
+    monkeypatch.setattr(cpu_linear, "load_kernel", lambda: kernel)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     generate(model, ids, NoDrafter(), DecodeConfig(max_new_tokens=4))
     # the prefill's layers see 40 rows (more than the kernel takes: stock), its lm_head only the last position; then

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from inference.api import Engine, load
 from inference.cli import main
-from inference.devices import input_device, module_device, output_device
+from inference.engine.devices import input_device, module_device, output_device
 from models.checkpoint import save_drafter
 from models.loading import ModelLoadError, load_target, resolve_device_map
 from models.medusa import MedusaConfig, MedusaHeads
@@ -72,7 +72,7 @@ def decode(engine: Engine, **sampling) -> list[list[int]]:
 
 def record_kept_nodes(monkeypatch) -> list[torch.Tensor]:
     """The `keep` [B, N] node ids of every cache surgery the loop performs from now on."""
-    loop = importlib.import_module("inference.generate")  # the module; the package re-exports a function by that name
+    loop = importlib.import_module("inference.engine.loop")  # the loop module
     kept: list[torch.Tensor] = []
     real = loop.keep_nodes
 

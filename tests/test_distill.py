@@ -116,7 +116,7 @@ def run_distill(target: Path, draft: Path, data: Path, out: Path, *overrides: st
 
 def test_distill_run_writes_a_served_draft_model(models, sharegpt_file, tmp_path):
     from inference.api import load
-    from inference.draft_model import DraftModelDrafter
+    from inference.drafters.draft_model import DraftModelDrafter
 
     target, draft = models
     out = tmp_path / "run"
@@ -188,7 +188,7 @@ def test_frozen_early_exit_draft_shares_the_targets_embeddings(sharegpt_file, tm
     from safetensors import safe_open
 
     from inference.api import load
-    from inference.draft_model import DraftModelDrafter, load_draft_model
+    from inference.drafters.draft_model import DraftModelDrafter, load_draft_model
     from models.checkpoint import DrafterMismatchError
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))

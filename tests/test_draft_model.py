@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from inference.api import load
-from inference.draft_model import DraftModelDrafter, check_vocab
-from inference.drafters import DecodeState, Draft
-from inference.generate import DecodeConfig, generate
-from inference.tree import build_tree, chain_choices
-from inference.verify import SamplingParams, target_probs, verify_speculative
+from inference.drafters.draft_model import DraftModelDrafter, check_vocab
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.tree import build_tree, chain_choices
+from inference.engine.verify import SamplingParams, target_probs, verify_speculative
 from models.checkpoint import DrafterMismatchError, save_draft_model
 from tests.conftest import build_tiny_lm
 from tests.model_support import save_tiny_model
@@ -263,8 +263,8 @@ def test_multi_candidate_rule_reproduces_target_joint(replacement):
 
 
 def test_draft_shape_specs():
-    from inference.draft_model import branch_choices, draft_shape
-    from inference.tree import TreeError
+    from inference.drafters.draft_model import branch_choices, draft_shape
+    from inference.engine.tree import TreeError
 
     assert draft_shape(None) == (4, 1) and draft_shape("chain:5") == (5, 1) and draft_shape("branches:3x2") == (2, 3)
     assert draft_shape(branch_choices(2, 3)) == (3, 2)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.draft_model import DraftModelDrafter
-from inference.draft_stop import DraftStop, StopSpecError, StopTrace, parse_stop
-from inference.generate import DecodeConfig, generate
-from inference.verify import SamplingParams
+from inference.drafters.draft_model import DraftModelDrafter
+from inference.drafters.draft_stop import DraftStop, StopSpecError, StopTrace, parse_stop
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.verify import SamplingParams
 from models.stopper import FEATURES, StopperModel, stop_features
 from tests.conftest import build_tiny_lm
 from tests.model_support import save_tiny_model

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
-from inference.drafters import MedusaDrafter
-from inference.generate import DecodeConfig, generate
-from inference.tree import load_tree
+from inference.drafters.medusa import MedusaDrafter
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.tree import load_tree
 from models.checkpoint import CheckpointError, load_drafter, most_frequent, save_drafter
 from models.interop import export_vllm
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
@@ -172,7 +172,7 @@ def test_most_frequent_orders_by_count_then_id():
 def test_tree_builder_scores_draft_vocabulary_heads_in_full_ids():
     """build-tree's rank accuracy of draft-vocabulary heads == that of the full heads over the same columns: with
     every id in the draft vocabulary (any order) the counts are the full heads' own; targets outside count as misses."""
-    from inference.tree_builder import RankCounter, score_heads
+    from inference.bench.tree_fit import RankCounter, score_heads
 
     full = normal_heads(False, seed=5)
     hidden = torch.randn(2, 10, 32)

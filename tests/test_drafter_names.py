@@ -9,7 +9,7 @@ import pytest
 
 from data.errors import UsageError
 from inference.cli import build_parser
-from inference.registry import names_draft_model, resolve
+from inference.drafters.registry import names_draft_model, resolve
 from inference.session import check_model_args
 from models.refs import model_settings
 from tests.conftest import build_tiny_lm
@@ -49,7 +49,7 @@ def test_cli_drafter_takes_a_conf_model_name(saved_model):
 
 def test_load_draft_model_resolves_a_conf_model_name(monkeypatch):
     """bench's --assistant reaches load_draft_model without `resolve`: the name still means its model."""
-    from inference import draft_model
+    from inference.drafters import draft_model
 
     class Loaded(Exception):
         pass

@@ -1,5 +1,6 @@
 """The one `name:key=value` parser, the one test that tells a registered drafter name from a path, and the one
-registry's option checks (inference.registry: what `load` and the command line both refuse before a model loads)."""
+registry's option checks (inference.drafters.registry: what `load` and the command line both refuse before a model
+loads)."""
 
 import json
 from pathlib import Path
@@ -7,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from data.errors import UsageError
-from inference.drafter_spec import DrafterSpec
-from inference.jacobi import JacobiOptions
+from inference.drafters.jacobi import JacobiOptions
+from inference.drafters.registry import (API, CLI, DRAFTERS, LoadOptions, build_from_spec, named_spec,
+                                         names_draft_model, resolve, spec_names)
+from inference.drafters.spec import DrafterSpec
 from inference.session import drafter_spec
-from inference.registry import (API, CLI, DRAFTERS, LoadOptions, build_from_spec, named_spec, names_draft_model,
-                                resolve, spec_names)
 from models.checkpoint import CheckpointError
 
 

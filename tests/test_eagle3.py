@@ -10,11 +10,11 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
-from inference.cache import additive
-from inference.eagle3 import Eagle3Drafter, default_tree, eagle3_tree, plan_levels
-from inference.generate import DecodeConfig, generate
-from inference.tree import TreeError, build_tree
-from inference.verify import SamplingParams
+from inference.drafters.eagle3 import Eagle3Drafter, default_tree, eagle3_tree, plan_levels
+from inference.engine.cache import additive
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.tree import TreeError, build_tree
+from inference.engine.verify import SamplingParams
 from models.checkpoint import CheckpointError, DrafterMismatchError, WEIGHTS_NAME
 from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_eagle3_checkpoint, default_layers,
                            load_eagle3, save_eagle3, target_text_config)
@@ -246,7 +246,7 @@ def test_chain_acceptance_counts_only_positions_whose_shallower_drafts_were_righ
 def test_build_tree_times_eagle3_drafting_per_depth(tiny_lm):
     """build-tree's drafting cost for an EAGLE-3 drafter: one positive figure per depth (each timed step drops the
     pairs and drafts it appended, or later depths would time a growing cache)."""
-    from inference.tree_builder import measure_eagle3_cost
+    from inference.bench.tree_fit import measure_eagle3_cost
 
     drafter = Eagle3Drafter(close_draft(tiny_lm), build_tree(TREES["chain"], 3, 1), tiny_lm.get_input_embeddings())
     costs = measure_eagle3_cost(drafter, tiny_lm, context=12, topk=3, reps=2, max_depth=3)

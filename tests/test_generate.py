@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 
-from inference.drafters import DecodeState, Draft, MedusaDrafter, NoDrafter
-from inference.generate import DecodeConfig, generate, stop_index
-from inference.tree import TreeBuffers, build_tree, load_tree
-from inference.verify import SamplingParams, VerifyResult, target_probs
+from inference.drafters.medusa import MedusaDrafter
+from inference.engine.drafter import DecodeState, Draft, NoDrafter
+from inference.engine.loop import DecodeConfig, generate, stop_index
+from inference.engine.tree import TreeBuffers, build_tree, load_tree
+from inference.engine.verify import SamplingParams, VerifyResult, target_probs
 from models.medusa import MedusaConfig, MedusaHeads
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -351,9 +352,9 @@ def test_phase_timers_synchronise_cuda_at_both_ends(tiny_lm_factory, monkeypatch
     for, so the real helper returns None there)."""
     import importlib
 
-    from inference.devices import cuda_sync
+    from inference.engine.devices import cuda_sync
 
-    loop = importlib.import_module("inference.generate")  # the package's `generate` attribute is the function
+    loop = importlib.import_module("inference.engine.loop")
 
     model = tiny_lm_factory("llama")
     assert cuda_sync(model) is None

@@ -1,5 +1,5 @@
-"""Near-tie classification of greedy mismatches (inference.greedy_ties): where outputs part, the stated tolerance on
-high-precision logits at the parting and at every later token of the tested output, the two drivers (in-place cast,
+"""Near-tie classification of greedy mismatches (inference.bench.greedy_ties): where outputs part, the stated tolerance
+on high-precision logits at the parting and at every later token of the tested output, the two drivers (in-place cast,
 float64 copy) agreeing, and an injected engine bug in bf16 caught as a mismatch."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from inference.api import Engine
-from inference.benchstats import Answer, TurnResult, format_table, summarize
-from inference.drafters import NoDrafter
-from inference.greedy_ties import (TIE_ULPS, UNIT_ROUNDOFF, Divergence, Fp64Judge, classify, first_divergence,
-                                   tolerance, verdict)
-from inference.generate import DecodeConfig, generate
-from inference.prompt_lookup import PromptLookupDrafter
+from inference.bench.greedy_ties import (TIE_ULPS, UNIT_ROUNDOFF, Divergence, Fp64Judge, classify, first_divergence,
+                                         tolerance, verdict)
+from inference.bench.stats import Answer, TurnResult, format_table, summarize
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.engine.drafter import NoDrafter
+from inference.engine.loop import DecodeConfig, generate
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BF16 = torch.bfloat16
@@ -90,7 +90,7 @@ def test_classify_reruns_in_high_precision_and_names_the_true_greedy_token(tiny_
 
 def shift_positions_by_one(monkeypatch) -> None:
     """The bug: every tree forward of the engine places its nodes one position too far (the prefill is right)."""
-    loop = importlib.import_module("inference.generate")  # the module, not the function `inference.generate`
+    loop = importlib.import_module("inference.engine.loop")
     real = loop.tree_inputs
 
     def shifted(tree, valid, next_pos, dtype):

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.prompt_sets import read_questions
-from inference.benchstats import Answer, TurnResult, summarize
+from inference.bench.prompt_sets import read_questions
+from inference.bench.stats import Answer, TurnResult, summarize
+from inference.bench.tree_fit import CostCurve, RankCounter, plan_tree
 from inference.cli import UsageError, main
-from inference.drafters import NoDrafter
-from inference.generate import DecodeConfig, StepTimes, generate
+from inference.engine.drafter import NoDrafter
+from inference.engine.loop import DecodeConfig, StepTimes, generate
+from inference.engine.tree import expected_accept_length, load_tree
 from inference.textstream import TextStream
-from inference.tree import expected_accept_length, load_tree
-from inference.tree_builder import CostCurve, RankCounter, plan_tree
 from models.checkpoint import save_drafter
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import FIXTURES, tiny_tokenizer
@@ -240,7 +240,7 @@ def test_read_questions_names_the_line(tmp_path):
 
 def test_input_files_with_a_byte_order_mark_and_crlf_read_like_plain_utf8(tmp_path):
     from inference.cli import read_chat
-    from inference.tree import read_tree_file
+    from inference.engine.tree import read_tree_file
     from models.loading import resolve_device_map
 
     def windows(name: str, text: str) -> Path:

@@ -4,9 +4,9 @@ points, which are the greedy continuation."""
 import pytest
 import torch
 
-from inference.drafters import NoDrafter
-from inference.generate import DecodeConfig, generate
-from inference.jacobi import JacobiDrafter, JacobiOptions, jacobi_blocks
+from inference.drafters.jacobi import JacobiDrafter, JacobiOptions, jacobi_blocks
+from inference.engine.drafter import NoDrafter
+from inference.engine.loop import DecodeConfig, generate
 
 PROMPTS = [[5, 9, 17, 3, 44, 8, 21], [7, 7, 60], [11, 90, 4, 33, 2, 19]]
 

@@ -2,10 +2,13 @@
 
 Every project module's imports are read with `ast` (none is executed). The rule, stated once:
 
-* A module's layer is its package's (`LAYERS`), except the entry-point modules listed in `TOOLS` and everything in
-  `scripts/`, which are the top layer: command lines, benchmarks, the tree builder. A module may import its own
-  layer or a lower one, never a higher one, so nothing below a tool imports it. The two collectors
-  (inference.self_distill, inference.collect_jacobi) are engine-layer modules: a training run self-distils in-run.
+* A module's layer is its package's (`LAYERS`), except the entry points listed in `TOOLS` (a module, or a package
+  and everything in it) and everything in `scripts/`, which are the top layer: command lines, benchmarks, the tree
+  builder. A module may import its own layer or a lower one, never a higher one, so nothing below a tool imports it.
+  The collectors (inference.collect) are inference-layer modules: a training run self-distils in-run.
+* Inside inference the groups are layered the same way (`INFERENCE_GROUPS`): kernels <- engine <- drafters <- api
+  (the package's public face: inference itself, api, textstream, session) <- collect, bench <- cli. A module
+  imports its own group or a lower-ranked one; collect and bench share a rank and do not import each other.
 * Module-level imports form no cycle (function-local imports do not dodge this: they are in the graph too, below).
 * A module's `if __name__ == "__main__":` block is a command line: it runs only when the module is the program, so
   it counts as a tool (`python -m data.jacobi` hands over to the collector in inference/ that way).
@@ -28,10 +31,19 @@ LAYERS = {"conf": 0, "data": 0, "models": 1, "inference": 2, "train": 3}
 TOOL_LAYER = 4
 # Entry points inside the packages: they sit above every package (see the module docstring).
 TOOLS = frozenset({
-    "inference.__main__", "inference.cli", "inference.session", "inference.bench", "inference.tree_builder",
-    "inference.engine_check", "inference.bench_suite",
+    "inference.__main__", "inference.cli", "inference.session", "inference.bench",  # inference.bench: the package
     "train.__main__", "train.cli",
 })
+# inference's groups (a subpackage, or named top-level modules) and their ranks: lower ranks never import higher.
+INFERENCE_GROUPS = {
+    "kernels": (0, ("inference.kernels",)),
+    "engine": (1, ("inference.engine",)),
+    "drafters": (2, ("inference.drafters",)),
+    "api": (3, ("inference", "inference.api", "inference.textstream", "inference.session")),
+    "collect": (4, ("inference.collect",)),
+    "bench": (4, ("inference.bench",)),
+    "cli": (5, ("inference.cli", "inference.__main__")),
+}
 DEFERRED = "# deferred:"
 
 
@@ -57,11 +69,37 @@ def module_files() -> dict[str, Path]:
     return files
 
 
+def _within(module: str, prefix: str) -> bool:
+    """`module` is `prefix` or inside it (the package `inference` names only its own __init__ here)."""
+    return module == prefix or (module.startswith(prefix + ".") and prefix != "inference")
+
+
 def layer(module: str) -> int:
     top = module.split(".")[0]
-    if top == "scripts" or module in TOOLS:
+    if top == "scripts" or any(_within(module, t) for t in TOOLS):
         return TOOL_LAYER
     return LAYERS[top]
+
+
+def group(module: str) -> str | None:
+    """The inference group a module belongs to (None outside inference, or in none: a test fails on that)."""
+    for name, (_, members) in INFERENCE_GROUPS.items():
+        if any(_within(module, m) for m in members):
+            return name
+    return None
+
+
+def group_edges(edges: list[Import]) -> list[Import]:
+    """The imports from one inference group into another."""
+    return [e for e in edges if group(e.source) is not None and group(e.target) is not None
+            and group(e.source) != group(e.target)]
+
+
+def upward_in_inference(edges: list[Import]) -> list[Import]:
+    """Imports between inference's groups that do not go to a lower rank (a `__main__` block counts as the CLI)."""
+    rank = {name: r for name, (r, _) in INFERENCE_GROUPS.items()}
+    return [e for e in group_edges(edges)
+            if rank[group(e.target)] >= (rank["cli"] + 1 if e.main else rank[group(e.source)])]
 
 
 def _resolve(name: str, known: set[str]) -> str | None:
@@ -195,6 +233,29 @@ def test_no_upward_import() -> None:
     assert [_show(e) for e in upward(all_imports())] == []
 
 
+def test_every_inference_module_has_a_group() -> None:
+    assert [m for m in module_files() if m.startswith("inference") and group(m) is None] == []
+
+
+def test_inference_groups_import_one_way() -> None:
+    """kernels <- engine <- drafters <- api <- collect, bench <- cli: no group imports a higher or equal-ranked one."""
+    assert [_show(e) for e in upward_in_inference(all_imports())] == []
+
+
+def group_map() -> str:
+    """inference's groups in rank order: files with their line counts, and the groups each imports."""
+    files = module_files()
+    edges = group_edges(import_time(all_imports()))
+    out = []
+    for name, (rank, _) in sorted(INFERENCE_GROUPS.items(), key=lambda kv: kv[1][0]):
+        members = {m: files[m] for m in files if group(m) == name}
+        lines = {m: len(p.read_text().splitlines()) for m, p in members.items()}
+        deps = sorted({group(e.target) for e in edges if group(e.source) == name})
+        out.append(f"{rank} {name}: {len(members)} modules, {sum(lines.values())} lines; imports {deps or 'nothing'}")
+        out.append("    " + ", ".join(f"{files[m].relative_to(ROOT / 'inference')} {n}" for m, n in lines.items()))
+    return "\n".join(out)
+
+
 def test_function_local_project_imports_are_justified() -> None:
     unjustified = [_show(e) for e in all_imports() if e.local and not e.justified]
     assert unjustified == []
@@ -211,6 +272,10 @@ def test_rule_sees_a_planted_upward_import(tmp_path: Path) -> None:
         ("models.loading", False, False, False), ("train.cli", True, False, False), ("inference.cli", False, False, True)]
     assert [e.target for e in upward(found)] == ["models.loading", "train.cli"]  # a __main__ block is a tool
     assert [e.target for e in import_time(found)] == ["models.loading", "train.cli"]
+    inside = [Import("inference.engine.loop", "inference.drafters.medusa", 1, False, False),  # up a rank
+              Import("inference.bench.run", "inference.collect.self_distill", 1, True, True),  # same rank
+              Import("inference.cli", "inference.bench.run", 1, False, False)]  # down: fine
+    assert [e.target for e in upward_in_inference(inside)] == ["inference.drafters.medusa", "inference.collect.self_distill"]
     loop = [Import("a", "b", 1, False, False), Import("b", "c", 1, False, False), Import("c", "a", 1, False, False)]
     assert cycles(loop) == [["a", "b", "c"]]
 
@@ -225,6 +290,11 @@ if __name__ == "__main__":
     print(f"upward edges: {len(ups)}")
     for e in ups:
         print("  ", _show(e), "(local)" if e.local else "")
+    ups = upward_in_inference(edges)
+    print(f"upward edges between inference's groups: {len(ups)}")
+    for e in ups:
+        print("  ", _show(e), "(local)" if e.local else "")
+    print(group_map())
     statements = {(e.source, e.line) for e in local}
     print(f"function-local project imports: {len(local)} edges in {len(statements)} statements "
           f"(justified: {sum(e.justified for e in local)})")

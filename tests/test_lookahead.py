@@ -9,11 +9,11 @@ from collections import Counter
 import pytest
 import torch
 
-from inference.drafters import DecodeState, Draft
-from inference.generate import DecodeConfig, generate
-from inference.lookahead import LookaheadDrafter, TokenTrie
-from inference.token_tree import TreeCache, merge_rows, paths_draft, rank_tree
-from inference.verify import SamplingParams, VerifyResult, target_probs
+from inference.drafters.lookahead import LookaheadDrafter, TokenTrie
+from inference.drafters.path_trees import TreeCache, merge_rows, paths_draft, rank_tree
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.verify import SamplingParams, VerifyResult, target_probs
 from tests.test_generate import VOCAB, binned_chi_square, plain_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -227,7 +227,7 @@ def test_lookahead_sampling_matches_the_target_distribution(tiny_lm_factory):
 
 def test_options_and_api(tmp_path, tiny_lm_factory):
     from inference.api import load
-    from inference.registry import build_from_spec
+    from inference.drafters.registry import build_from_spec
 
     drafter = build_from_spec("lookahead:draft_nodes=31,branch_length=10,prompt_weight=3")
     assert (drafter.draft_nodes, drafter.branch_length, drafter.prompt_weight) == (31, 10, 3.0)

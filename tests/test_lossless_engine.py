@@ -11,15 +11,16 @@ import sys
 import pytest
 import torch
 
-from inference.draft_model import DraftModelDrafter
-from inference.drafters import DecodeState, Draft, Drafter, MedusaDrafter
-from inference.eagle3 import Eagle3Drafter
-from inference.generate import DecodeConfig, generate
-from inference.jacobi import JacobiDrafter, JacobiOptions
-from inference.lookahead import LookaheadDrafter
-from inference.prompt_lookup import PromptLookupDrafter
-from inference.tree import build_tree
-from inference.verify import SamplingParams, VerifyResult, target_probs
+from inference.drafters.draft_model import DraftModelDrafter
+from inference.drafters.eagle3 import Eagle3Drafter
+from inference.drafters.jacobi import JacobiDrafter, JacobiOptions
+from inference.drafters.lookahead import LookaheadDrafter
+from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.engine.drafter import DecodeState, Draft, Drafter
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.tree import build_tree
+from inference.engine.verify import SamplingParams, VerifyResult, target_probs
 from tests.conftest import build_tiny_lm
 from tests.test_draft_model import left_pad, noisy_copy
 from tests.test_eagle3 import close_draft
@@ -101,7 +102,7 @@ def test_every_step_logits_equal_a_fresh_forward(tiny_lm_factory, kind):
 def test_the_recompute_check_catches_a_cache_surgery_bug(tiny_lm_factory, kind, monkeypatch):
     """Power of the check above: cache surgery that keeps the parent's keys/values in place of the deepest accepted
     node's (an off-by-one in the kept path) is caught with every drafter."""
-    generate_module = sys.modules["inference.generate"]  # the package exports a function of the same name
+    generate_module = sys.modules["inference.engine.loop"]
     keep = generate_module.keep_nodes
 
     def off_by_one(cache, start: int, nodes: torch.Tensor) -> None:

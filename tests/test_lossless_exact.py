@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import inference.verify
-from inference.tree import TreeBuffers, build_tree, chain_choices
-from inference.verify import SamplingParams, TorchDraws
+from inference.engine.tree import TreeBuffers, build_tree, chain_choices
+import inference.engine.verify
+from inference.engine.verify import SamplingParams, TorchDraws
 from tests.lossless_exact import ExactStep, StubLM, all_assignments, exact_step, sampled_drafts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -57,7 +57,7 @@ SCENARIOS = {s.name: s for s in [
 ]}
 
 
-def run(scenario: Scenario, verify: types.ModuleType = inference.verify, seed: int = 0) -> ExactStep:
+def run(scenario: Scenario, verify: types.ModuleType = inference.engine.verify, seed: int = 0) -> ExactStep:
     """Enumerate one step of `verify`'s rule for `scenario` (target seed `seed`, drafter seed `seed` + 100)."""
     tree, params = scenario.tree, scenario.params
     target = StubLM(scenario.vocab, seed)
@@ -159,7 +159,7 @@ def test_torch_draws_keep_their_contract():
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    old: str  # a line of inference/verify.py, which must occur exactly once
+    old: str  # a line of inference/engine/verify.py, which must occur exactly once
     new: str
     killed_by: str  # the scenario whose enumeration catches it
 
@@ -213,10 +213,10 @@ MUTANTS = [
 
 
 def mutated_verify(mutant: Mutant, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """inference/verify.py with the mutant's one-line change, loaded as a module of its own."""
-    source = inspect.getsource(inference.verify)
+    """inference/engine/verify.py with the mutant's one-line change, loaded as a module of its own."""
+    source = inspect.getsource(inference.engine.verify)
     assert source.count(mutant.old) == 1, (
-        f"mutant {mutant.name}: {mutant.old!r} no longer occurs exactly once in inference/verify.py; update the mutant")
+        f"mutant {mutant.name}: {mutant.old!r} no longer occurs exactly once in inference/engine/verify.py; update the mutant")
     name = f"inference._verify_mutant_{mutant.name.replace('-', '_')}"
     module = types.ModuleType(name)
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up while building the classes

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from inference.plots import (  # noqa: E402
+from inference.bench.plots import (  # noqa: E402
     accept_hist_figure,
     bench_summary_figure,
     head_accuracy_figure,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from inference.drafters import DecodeState
-from inference.generate import DecodeConfig, generate
-from inference.prompt_lookup import NgramIndex, PromptLookupDrafter
+from inference.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter
+from inference.engine.drafter import DecodeState
+from inference.engine.loop import DecodeConfig, generate
 from tests.test_generate import plain_greedy
 from tests.test_lookahead import repetitive_prompts
 
@@ -87,8 +87,8 @@ def test_prompt_lookup_greedy_equals_plain_greedy_batched(tiny_lm_factory, arch)
 
 def test_api_and_cli_spec(tmp_path, tiny_lm_factory):
     from inference.api import load
+    from inference.drafters.registry import build_from_spec
     from inference.session import drafter_spec
-    from inference.registry import build_from_spec
 
     model = tiny_lm_factory("llama")
     base = tmp_path / "base"

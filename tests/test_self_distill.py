@@ -9,8 +9,8 @@ import torch
 from data.chat import encode_prompt
 from data.readers import read_conversations
 from inference.api import Engine
-from inference.drafters import NoDrafter
-from inference.self_distill import SelfDistillConfig, done_ids, main, record_id, script_of, self_distill
+from inference.collect.self_distill import SelfDistillConfig, done_ids, main, record_id, script_of, self_distill
+from inference.engine.drafter import NoDrafter
 from models.loading import load_target, load_tokenizer
 from tests.model_support import save_tiny_model
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.collect_jacobi import main as collect_main
 from data.jacobi import read_records
 from inference import Engine, NoDrafter, load
+from inference.collect.jacobi_trajectories import main as collect_main
 from tests.model_support import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -176,8 +176,8 @@ def test_zero3_resume_continues_exactly(model_dir, data_file, zero3_run, tmp_pat
 def test_medusa2_lora_steps_under_zero3_serve_in_the_engine(model_dir, data_file, tmp_path):
     # Joint training with the backbone's LoRA adapters and the heads partitioned across 2 processes.
     from inference.api import load
-    from inference.drafters import NoDrafter
-    from inference.generate import DecodeConfig, generate
+    from inference.engine.drafter import NoDrafter
+    from inference.engine.loop import DecodeConfig, generate
 
     out = tmp_path / "medusa2_zero3"
     log = train(torchrun(), model_dir, data_file, out, 2, "deepspeed=zero3", "training.learning_rate=1e-3",

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from inference.tree import (
+from inference.engine.tree import (
     TreeError,
     best_tree_choices,
     build_tree,

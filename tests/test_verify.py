@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from inference.tree import build_tree, chain_choices
-from inference.verify import (
+from inference.engine.tree import build_tree, chain_choices
+from inference.engine.verify import (
     SamplingParams,
     target_probs,
     typical_threshold,

@@ -31,8 +31,8 @@ from data.datasets import SplitDatasets, build_datasets, label_counts, load_conv
 from data.extras import installed
 from data.features import FeatureCollator, FeatureDataset, check_cache, read_prompts
 from inference.api import Engine
-from inference.drafters import NoDrafter
-from inference.self_distill import SelfDistillConfig, self_distill
+from inference.collect.self_distill import SelfDistillConfig, self_distill
+from inference.engine.drafter import NoDrafter
 from models.checkpoint import CheckpointError, read_drafter_config
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu

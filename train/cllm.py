@@ -36,10 +36,10 @@ from data.errors import UsageError
 from data.jacobi import (
     PackedTrajectoryCollator, PackedTrajectoryDataset, TrajectoryCollator, TrajectoryDataset, read_records)
 from data.readers import DataError
-from inference.cache import additive
-from inference.drafters import NoDrafter
-from inference.generate import DecodeConfig, generate
-from inference.jacobi import JacobiDrafter, JacobiOptions
+from inference.drafters.jacobi import JacobiDrafter, JacobiOptions
+from inference.engine.cache import additive
+from inference.engine.drafter import NoDrafter
+from inference.engine.loop import DecodeConfig, generate
 from models.backbone import final_hidden
 from models.checkpoint import CheckpointError, backbone_folder, save_model_drafter
 from models.loading import load_target

@@ -24,7 +24,7 @@ WandbMode = choice("WandbMode", "online", "offline", "disabled", module=__name__
 Backbone = choice("Backbone", "lora", "full", module=__name__)
 LmLoss = choice("LmLoss", "ce", "kl", module=__name__)
 HeadSchedule = choice("HeadSchedule", "constant", "linear", "sine", module=__name__)
-JacobiInit = choice("JacobiInit", "random", "pad", "repeat", module=__name__)  # inference.jacobi.INITS
+JacobiInit = choice("JacobiInit", "random", "pad", "repeat", module=__name__)  # inference.drafters.jacobi.INITS
 Consistency = choice("Consistency", "global", "local", module=__name__)
 CllmDivergence = choice("CllmDivergence", "kl", "soft_ce", module=__name__)
 ArSource = choice("ArSource", "ground_truth", "target_output", "both", module=__name__)  # data.jacobi.AR_SOURCES
@@ -295,7 +295,7 @@ SEED = Range(0, 2**32 - 1)  # numpy's seed range (HF set_seed seeds numpy too)
 LORA = {"lora_r": POSITIVE, "lora_alpha": POSITIVE, "lora_dropout": FRACTION}
 HEADS = {"num_heads": POSITIVE, "num_layers": NATURAL, "draft_vocab": POSITIVE,
          "decay": Range(0, 1, low_open=True)}  # λ^k weights head k's loss: 0 trains nothing, > 1 favours far heads
-MAX_DRAFT_TOKENS = 32  # inference.draft_model.MAX_GAMMA (not imported: the schema loads without torch)
+MAX_DRAFT_TOKENS = 32  # inference.drafters.draft_model.MAX_GAMMA (not imported: the schema loads without torch)
 
 # Every int/float key of every schema, with its valid values (tests/test_config.py checks none is missing).
 RANGES: dict[type, dict[str, Range]] = {

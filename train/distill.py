@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
-from inference.draft_model import check_vocab, check_vocab_files, quiet_missing_weights
+from inference.drafters.draft_model import check_vocab, check_vocab_files, quiet_missing_weights
 from models.backbone import padded_position_ids
 from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target

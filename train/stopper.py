@@ -31,9 +31,9 @@ from torch import nn
 
 from data.errors import UsageError
 from inference.api import Engine
-from inference.draft_model import (DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model,
-                                   quiet_missing_weights)
-from inference.draft_stop import DraftStop, StopTrace
+from inference.drafters.draft_model import (DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model,
+                                            quiet_missing_weights)
+from inference.drafters.draft_stop import DraftStop, StopTrace
 from models.checkpoint import CONFIG_NAME, attach_shared, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target, load_tokenizer
 from models.stopper import FEATURES, StopperModel, stopper_entry

@@ -20,7 +20,7 @@ through here, each naming the arguments its own way (`tree=` or `--tree`, see `N
     load("jacobi:n=32,init=pad", base=...)           # Jacobi decoding of the target itself
     python -m inference generate --drafter lookahead --drafter-option draft_nodes=31 ...
 
-Specs are parsed once (inference.drafter_spec). lookahead's and prompt_lookup's option names are their constructor
+Specs are parsed once (inference.drafters.spec). lookahead's and prompt_lookup's option names are their constructor
 keywords, values converted to the type of the keyword's default; jacobi takes n (block size), init and seed.
 """
 
@@ -34,23 +34,24 @@ from typing import Any, Callable, Mapping
 import torch
 
 from data.errors import UsageError
-from inference.devices import output_device
-from inference.draft_model import build_draft_model_drafter, checkpoint_stopper, is_plain_model
-from inference.draft_stop import check_stop_spec
-from inference.drafter_spec import DrafterSpec
-from inference.drafters import Drafter, MedusaDrafter, NoDrafter
-from inference.eagle3 import Eagle3Drafter, eagle3_tree
-from inference.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
-from inference.lookahead import LookaheadDrafter
-from inference.prompt_lookup import PromptLookupDrafter
-from inference.tree import load_tree
 from data.locations import is_local
+from inference.drafters.draft_model import build_draft_model_drafter, checkpoint_stopper, is_plain_model
+from inference.drafters.draft_stop import check_stop_spec
+from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
+from inference.drafters.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
+from inference.drafters.lookahead import LookaheadDrafter
+from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.drafters.spec import DrafterSpec
+from inference.engine.devices import output_device
+from inference.engine.drafter import Drafter, NoDrafter
+from inference.engine.tree import load_tree
 from models.builtin import ModelLoadError
-from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 from models.checkpoint import (
     CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
 )
 from models.eagle3 import load_eagle3
+from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
 OPTIONAL = ("tree", "draft_stop", "head_vocab")  # the load options a drafter type may not take
@@ -60,9 +61,9 @@ OPTIONAL = ("tree", "draft_stop", "head_vocab")  # the load options a drafter ty
 class LoadOptions:
     """What `load` passes every builder; `DrafterRequest.check` has refused the ones the type does not take."""
 
-    tree: Any = None  # tree drafters: a tree spec (inference.tree.load_tree); draft models: "chain:<n>" etc.
+    tree: Any = None  # tree drafters: a tree spec (inference.engine.tree.load_tree); draft models: "chain:<n>" etc.
     topk: int = MEDUSA_TOPK
-    draft_stop: str | None = None  # draft models only (inference.draft_stop)
+    draft_stop: str | None = None  # draft models only (inference.drafters.draft_stop)
     head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
 
 
@@ -160,7 +161,7 @@ def _draft_model(request: DrafterRequest, model: torch.nn.Module, options: LoadO
 
 def _eagle3(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
     """An EAGLE-3 draft in the target's dtype beside its input embeddings; `tree` defaults to the tree its measured
-    per-depth acceptance favours (inference.eagle3.default_tree)."""
+    per-depth acceptance favours (inference.drafters.eagle3.default_tree)."""
     embed = model.get_input_embeddings()
     draft = load_eagle3(request.path, device=embed.weight.device, dtype=embed.weight.dtype,
                         target_vocab_size=model.config.get_text_config().vocab_size)

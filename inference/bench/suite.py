@@ -33,17 +33,16 @@ from typing import Any, Sequence
 
 import yaml
 
-from inference.api import Engine
-from inference.bandwidth import copy_bandwidth, weight_bytes
-from inference.bench import (WARMUP_TOKENS, answer, answer_record, check_bench_args, greedy_judge, hf_options,
-                             progress_bar, run_config, set_now, warm_up, write_atomic)
-from inference.bench_methods import BASELINES, EngineRunner, Runner, Sampling, build_runners
-from inference.benchstats import Answer, bandwidth_floor, format_table, summarize
 from data.errors import UsageError
-from inference.cli import build_parser, one_line
-from inference.drafters import NoDrafter
-from inference.prompt_sets import Question, load_questions
-from inference.session import check_model_args, encode_messages, open_session
+from inference.api import Engine
+from inference.bench.bandwidth import copy_bandwidth, weight_bytes
+from inference.bench.methods import BASELINES, EngineRunner, Runner, Sampling, build_runners
+from inference.bench.prompt_sets import Question, load_questions
+from inference.bench.run import (WARMUP_TOKENS, add_bench_args, answer, answer_record, check_bench_args, greedy_judge,
+                                 hf_options, progress_bar, run_config, set_now, warm_up, write_atomic)
+from inference.bench.stats import Answer, bandwidth_floor, format_table, summarize
+from inference.engine.drafter import NoDrafter
+from inference.session import Parser, check_model_args, encode_messages, one_line, open_session
 
 METHOD_KEYS = {"args", "own_ar", "categories", "versus"}
 PLAN_KEYS = {"common", "baselines", "methods"}
@@ -140,7 +139,9 @@ def read_plan(path: str | Path) -> Plan:
 
 def bench_namespace(plan: Plan, flags: Sequence[str], where: str) -> argparse.Namespace:
     """`python -m inference bench` options for one method (the plan's common flags, then its own)."""
-    args, unknown = build_parser().parse_known_args(["bench", *plan.common, *flags])
+    parser = Parser(prog="python -m inference bench")
+    add_bench_args(parser)
+    args, unknown = parser.parse_known_args([*plan.common, *flags])
     if unknown:
         raise UsageError(f"{plan.path}: {where}: {unknown[0]!r} is not an option of `python -m inference bench`")
     try:

@@ -12,7 +12,7 @@ Dimension letters: B batch, T time, D hidden, V vocab, H heads, R top-k ranks, K
    An EAGLE-3 checkpoint brings its accuracy (the [depth][rank] acceptance its training evaluation measured on the
    target's greedy continuations of held-out prompts, conditional on the shallower drafts being right); its drafting
    cost is timed per depth (`measure_eagle3_cost`).
-3. Tree: inference.tree.best_tree_choices over sizes up to --max-nodes and depths up to H, maximising
+3. Tree: inference.engine.tree.best_tree_choices over sizes up to --max-nodes and depths up to H, maximising
    expected tokens per step / (t(K) + heads(d)); predicted speedup = that ratio x t(1) (a plain step).
 Writes {"choices": [...], ...measurements} that `--tree tree.json` reads.
 """
@@ -36,15 +36,16 @@ from data.config import load_data_config
 from data.datasets import load_conversations
 from data.errors import UsageError
 from inference.api import MEDUSA_TOPK, Engine
-from inference.attention import gqa_attention
-from inference.cpu_kernels import fast_linears
-from inference.devices import input_device
-from inference.drafters import Draft, MedusaDrafter, NoDrafter
-from inference.eagle3 import Eagle3Drafter, Pending
-from inference.generate import DecodeConfig, forward_tree, prefill
+from inference.drafters.eagle3 import Eagle3Drafter, Pending
+from inference.drafters.medusa import MedusaDrafter
+from inference.engine.devices import input_device
+from inference.engine.drafter import Draft, NoDrafter
+from inference.engine.loop import DecodeConfig, forward_tree, prefill
+from inference.engine.tree import best_tree_choices, build_tree, expected_accept_length
+from inference.engine.verify import verify_greedy
+from inference.kernels.attention import gqa_attention
+from inference.kernels.cpu_linear import fast_linears
 from inference.session import add_model_args, encode_messages, open_session
-from inference.tree import best_tree_choices, build_tree, expected_accept_length
-from inference.verify import verify_greedy
 from models.backbone import final_hidden
 from models.medusa import head_targets
 
@@ -196,8 +197,8 @@ def measure_forward_cost(model: torch.nn.Module, context: int, sizes: Sequence[i
                          gqa: bool = True, kernel_rows: int | None = None) -> CostCurve:
     """t(K): the engine's tree forward of K nodes (a star tree: attention cost barely depends on the shape) on a
     cache of `context` random tokens, plus greedy verification of its logits; with the engine's CPU kernel unless
-    `cpu_kernel` is False (at most `kernel_rows` rows through it, see cpu_kernels.fast_linears), and with
-    inference.attention's GQA path unless `gqa` is False, as `generate` serves it."""
+    `cpu_kernel` is False (at most `kernel_rows` rows through it, see inference.kernels.cpu_linear.fast_linears), and
+    with inference.kernels.attention's GQA path unless `gqa` is False, as `generate` serves it."""
     device = input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)

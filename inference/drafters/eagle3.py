@@ -15,7 +15,7 @@ Per step:
    draft forward with tree attention (committed slots, the node's ancestors among this step's draft slots, itself).
 3. After verification, this step's draft slots are dropped (`update`): the accepted tokens come back as pending pairs
    with the target's true features, as EAGLE does.
-Rows accepting different counts leave holes (invalid slots), as in inference.cache. The drafts are deterministic
+Rows accepting different counts leave holes (invalid slots), as in inference.engine.cache. The drafts are deterministic
 (top-R), so greedy verification returns plain greedy decoding and rejection sampling stays exact.
 """
 
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from inference.cache import additive, new_cache
-from inference.drafters import DecodeState, Draft
-from inference.tree import TreeBuffers, TreeError, build_tree, greedy_tree_choices, load_tree
-from inference.verify import VerifyResult
+from inference.engine.cache import additive, new_cache
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.tree import TreeBuffers, TreeError, build_tree, greedy_tree_choices, load_tree
+from inference.engine.verify import VerifyResult
 from models.eagle3 import Eagle3Draft
 
 MAX_DEPTH = 16  # deepest tree an EAGLE-3 drafter drafts

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from inference.api import Engine
-from inference.benchstats import TurnResult
-from inference.devices import input_device
-from inference.drafters import NoDrafter
-from inference.prompt_lookup import PromptLookupDrafter
+from inference.bench.stats import TurnResult
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.engine.devices import input_device
+from inference.engine.drafter import NoDrafter
 from models.backbone import eos_token_ids
 
 BASELINES = ("ar", "hf", "hf_pld", "hf_assisted")

@@ -24,11 +24,11 @@ from typing import Callable
 import torch
 
 from data.errors import UsageError
-from inference.cache import commit_slots, new_cache, prefill_inputs, tree_inputs
-from inference.drafter_spec import DrafterSpec
-from inference.drafters import DecodeState, Draft
-from inference.tree import build_tree, chain_choices
-from inference.verify import VerifyResult, greedy_argmax
+from inference.drafters.spec import DrafterSpec
+from inference.engine.cache import commit_slots, new_cache, prefill_inputs, tree_inputs
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.tree import build_tree, chain_choices
+from inference.engine.verify import VerifyResult, greedy_argmax
 
 INITS = ("random", "pad", "repeat")  # random prompt tokens | the pad id | the last committed token repeated
 DEFAULT_BLOCK_SIZE = 16

@@ -15,8 +15,8 @@ which peer it is compared with. Definitions (the same as `python -m inference be
 
 Medusa's tree: medusa-llm 0.1 (the PyPI release) takes `medusa_choices=[1, k_1, ..., k_H]`, the full cartesian tree
 whose depth-d nodes are every combination of the top-k_1 .. top-k_d candidates of heads 1..d. `cartesian_paths`
-turns that into our choice paths (inference.tree) and `cartesian_choices` back, refusing a tree that is not such a
-product, so both engines run the same tree.
+turns that into our choice paths (inference.engine.tree) and `cartesian_choices` back, refusing a tree that is not such
+a product, so both engines run the same tree.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Dimension letters: B batch, S draft-cache slots, P pending tokens, T prompt leng
 
 Each step the draft model proposes gamma tokens autoregressively (argmax at temperature 0, else sampled from q, its
 logits processed by the same `SamplingParams` as the target's), the target checks the draft in one forward and
-`inference.verify.verify_speculative` accepts each draft with min(1, p/q), so the output is distributed exactly as the
-target's own sampling. The draft model keeps ITS OWN KV cache, carried in `DecodeState.drafter_state` and kept in step
-with acceptance: committed tokens the draft model has not yet read are "pending" and are fed at the next propose.
+`inference.engine.verify.verify_speculative` accepts each draft with min(1, p/q), so the output is distributed exactly
+as the target's own sampling. The draft model keeps ITS OWN KV cache, carried in `DecodeState.drafter_state` and kept in
+step with acceptance: committed tokens the draft model has not yet read are "pending" and are fed at the next propose.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from inference.cache import additive, keep_nodes, new_cache
-from inference.draft_stop import DraftStop, StopTrace, parse_stop
-from inference.drafters import DecodeState, Draft
-from inference.tree import TreeBuffers, TreeError, build_tree, load_tree
-from inference.verify import VerifyResult, greedy_argmax, sample, target_probs
+from inference.drafters.draft_stop import DraftStop, StopTrace, parse_stop
+from inference.engine.cache import additive, keep_nodes, new_cache
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.tree import TreeBuffers, TreeError, build_tree, load_tree
+from inference.engine.verify import VerifyResult, greedy_argmax, sample, target_probs
 from models.checkpoint import (CONFIG_NAME, DrafterMismatchError, attach_shared, draft_model_folder, read_drafter_config,
                                shared_spec)
 from models.loading import DTYPES, TOKENIZER_FILES, load_target, model_config
@@ -43,7 +43,7 @@ FULL_LOGITS_MAX_BLOCK = 8  # draft blocks up to this long compute all their logi
 
 @dataclass(eq=False)
 class DraftCache:
-    """The draft model's per-run state. Slot conventions follow inference.cache: `valid` marks real tokens."""
+    """The draft model's per-run state. Slot conventions follow inference.engine.cache: `valid` marks real tokens."""
 
     cache: DynamicCache  # draft keys/values of committed tokens, minus `pending`, plus the last step's drafts
     valid: torch.Tensor  # [B, S] bool
@@ -100,8 +100,8 @@ class DraftModelDrafter:
     """Drafts from a draft causal LM: `branches` candidates for the first token (top-k when greedy; else sampled
     from q, without replacement unless `replacement`), each continued by the draft as a chain to depth `gamma`.
     One branch is classic chain speculative decoding. Sampled drafts carry q in `Draft.probs`.
-    `stop` (inference.draft_stop) may end a step's drafting before depth gamma; the step's tree is then the same
-    shape cut at that depth. `trace` (chain only) records every depth's stop features and the accepted count.
+    `stop` (inference.drafters.draft_stop) may end a step's drafting before depth gamma; the step's tree is then the
+    same shape cut at that depth. `trace` (chain only) records every depth's stop features and the accepted count.
 
     Draft cache layout per step: pending tokens, then the tree nodes of depths 1 .. gamma - 1 in node order (slot
     `start + node - 1`); the deepest level is read at the next propose only if the target accepts it.
@@ -323,8 +323,8 @@ def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int
                               draft_stop: str | None = None) -> DraftModelDrafter:
     """Behind DRAFTER_BUILDERS["draft_model"]: a draftsmith checkpoint (drafter_type "draft_model") or a plain causal LM
     (a directory, "builtin:<name>" or "early_exit:<model>:<N>") loaded in the target's dtype on `device`, vocabulary
-    checked. `draft_stop` (inference.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when it has
-    one, else "fixed"; with a stopper and no `tree`, the draft length is the one it was trained for (its traces'
+    checked. `draft_stop` (inference.drafters.draft_stop.parse_stop) defaults to the checkpoint's learned stopper when
+    it has one, else "fixed"; with a stopper and no `tree`, the draft length is the one it was trained for (its traces'
     max_gamma)."""
     draft = load_draft_model(path, model, device)
     stopper, entry = checkpoint_stopper(path)

@@ -108,7 +108,7 @@ def build_tree(
     k = len(all_paths)
     length = max((len(p) for p in all_paths), default=0) + 1
 
-    # Index lists first, one tensor each at the end: per-step trees (inference.token_tree) build here every step.
+    # Index lists first, one tensor each at the end: per-step trees (drafters.path_trees) build here every step.
     parent = [-1] + [node_of[p[:-1]] for p in ordered]
     ancestors = [[node_of[p[:j]] for j in range(len(p) + 1)] for p in all_paths]  # root .. node itself
     node_path = torch.tensor([a + [-1] * (length - len(a)) for a in ancestors], dtype=torch.long)
@@ -196,7 +196,7 @@ def expected_accept_length(choices: Sequence[Path_], accuracy: Sequence[Sequence
 
 def default_tree_path(num_heads: int) -> Path:
     """The shipped default tree for a drafter with `num_heads` heads (1-5; more heads use the 5-head tree)."""
-    return Path(str(resources.files("inference") / TREE_DIR / f"medusa_{min(max(num_heads, 1), 5)}heads.json"))
+    return Path(str(resources.files("inference.engine") / TREE_DIR / f"medusa_{min(max(num_heads, 1), 5)}heads.json"))
 
 
 def read_tree_file(path: str | Path) -> list[Path_]:

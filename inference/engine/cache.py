@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from inference.tree import TreeBuffers
+from inference.engine.tree import TreeBuffers
 
 
 def new_cache() -> DynamicCache:

@@ -1,5 +1,5 @@
 """The Jacobi-trajectory collector for CLLM: the target's block-Jacobi iterations on a data config's prompts, written
-in data.jacobi's JSONL format. Its twin, the self-distillation collector, is inference.self_distill.
+in data.jacobi's JSONL format. Its twin, the self-distillation collector, is inference.collect.self_distill.
 
     python -m data.jacobi --model tiny --output traj.jsonl [--data default] [--block-size 16] [data.path=... ...]
     (also `python scripts/collect_jacobi.py ...`)
@@ -22,7 +22,7 @@ from data.collate import left_pad
 from data.config import load_data_config
 from data.errors import UsageError
 from data.jacobi import PromptSample, done_ids, prompt_samples, trajectory_record
-from inference.jacobi import INITS, JacobiOptions, jacobi_blocks
+from inference.drafters.jacobi import INITS, JacobiOptions, jacobi_blocks
 from models.backbone import eos_token_ids
 from models.loading import load_target, load_tokenizer
 from models.refs import model_settings
@@ -31,7 +31,7 @@ from models.refs import model_settings
 def collect(model: Any, samples: Sequence[PromptSample], output: Path, options: Any, num_blocks: int,
             batch_size: int = 8, pad_token_id: int = 0, eos_token_ids: tuple[int, ...] = (), max_repeat: int = 16,
             progress: bool = True) -> int:
-    """Record block-Jacobi trajectories (inference.jacobi.jacobi_blocks) of every sample not yet in `output`,
+    """Record block-Jacobi trajectories (inference.drafters.jacobi.jacobi_blocks) of every sample not yet in `output`,
     `batch_size` prompts per batch (left-padded); appends one line per prompt. Returns the records written."""
     done = done_ids(output)
     todo = [s for s in samples if s.id not in done]

@@ -4,13 +4,13 @@ Dimension letters: B batch, K tree nodes (root included).
 
 A training-free drafter proposes, per row, continuations of the root as token paths in priority order. A row's
 paths merge into one token tree (shared prefixes share nodes) whose nodes are named by rank paths: the sibling rank
-at each level, siblings ranked by first appearance, i.e. the choice format of `inference.tree`, so the buffers come
-from `build_tree` unchanged and `Draft` carries them like a static tree. The loop reads `draft.tree` every step, so
+at each level, siblings ranked by first appearance, i.e. the choice format of `inference.engine.tree`, so the buffers
+come from `build_tree` unchanged and `Draft` carries them like a static tree. The loop reads `draft.tree` every step, so
 a new tree per step needs no change to the loop, the verification rules or the cache surgery.
 
 A batch shares one tree shape per step: the union of the rows' rank paths, capped at `max_nodes` non-root nodes
 with rows taking turns so that none starves. Where a row has no node of the union, the slot holds a filler (its
-parent's token). Fillers are verified like any other draft: every exact rule in inference.verify is exact for
+parent's token). Fillers are verified like any other draft: every exact rule in inference.engine.verify is exact for
 arbitrary deterministic drafts (duplicates included), so a filler costs a tree slot, never correctness.
 """
 
@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from inference.drafters import DecodeState, Draft
-from inference.tree import Path_, TreeBuffers, build_tree
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.tree import Path_, TreeBuffers, build_tree
 
 
 def rank_tree(paths: Sequence[Sequence[int]]) -> list[tuple[Path_, int]]:

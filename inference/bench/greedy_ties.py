@@ -4,7 +4,7 @@ Dimension letters: N checked positions, V vocab.
 
 Two greedy decoders over the same weights can part where the target's top logits are nearly tied: a K-node tree
 forward, a one-token step and Hugging Face `generate` add the same products in different orders, which moves a logit
-difference by a few units of the run dtype's rounding (inference.generate says so too). Up to the first differing new
+difference by a few units of the run dtype's rounding (inference.engine.loop says so too). Up to the first differing new
 token t the two outputs share their prefix, so the question is well posed there; after it, the method's output
 follows its own prefix, and each of its tokens must still be that prefix's greedy choice. The judge is a
 recomputation in higher precision ("hi": float64 on a CPU and in the bench's copy, fp32 on a GPU), one teacher-forced
@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from inference.devices import input_device
+from inference.engine.devices import input_device
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24,
                  torch.float64: 2.0 ** -53}

@@ -1,6 +1,6 @@
 """`python -m inference bench`: speed of a drafter against plain decoding of the same model, measured in one run.
 
-Methods (inference.bench_methods), run in turn on every question (rotating which goes first, after a warm-up, so
+Methods (inference.bench.methods), run in turn on every question (rotating which goes first, after a warm-up, so
 background load hits all alike):
     drafter      the engine with the chosen drafter
     ar           the same engine loop with NoDrafter (plain greedy / sampling, one token per target forward)
@@ -8,7 +8,7 @@ background load hits all alike):
     hf_pld       HF prompt lookup decoding, `generate(prompt_lookup_num_tokens=N)` (greedy only)
     hf_assisted  HF assisted generation with the same draft model as our draft-model drafter (greedy only)
 Questions are MT-bench / Spec-Bench records {question_id, category, turns}, or named prompt sets
-(inference.prompt_sets: mt_bench, gsm8k, humaneval). Multi-turn (--turns all) feeds each method its own previous
+(inference.bench.prompt_sets: mt_bench, gsm8k, humaneval). Multi-turn (--turns all) feeds each method its own previous
 answer. Each method's answers are written in the Medusa / Spec-Bench answer format ({question_id, category,
 answer_id, model_id, choices: [{index, turns, new_tokens, idxs, wall_time, accept_lengths}], tstamp}); idxs = target
 forwards per turn (prefill included), accept_lengths = tokens committed per decoding step (engine methods and hf).
@@ -24,10 +24,10 @@ Summary definitions:
                        A differing turn is rerun in float64, teacher-forced over the method's output: a near tie
                        when at the first differing token both tokens, and after it every token of the method, lie
                        within a stated tolerance of float64's greedy choice (TIE_ULPS x the run dtype's unit
-                       roundoff x max|logit|, inference.greedy_ties). "lossless" only with no mismatch; each
+                       roundoff x max|logit|, inference.bench.greedy_ties). "lossless" only with no mismatch; each
                        mismatch is named with its question, turn and float64 gap (a likely engine bug)
     bandwidth floor    weight bytes / measured copy bandwidth: the least time a plain step can take
-                       (inference.bandwidth)
+                       (inference.bench.bandwidth)
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ import torch
 from data.errors import UsageError
 from data.extras import require
 from data.paths import check_writable_dir
-from inference.bandwidth import copy_bandwidth, host_info, weight_bytes
-from inference.bench_methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
+from inference.bench.bandwidth import copy_bandwidth, host_info, weight_bytes
+from inference.bench.greedy_ties import Fp64Judge
+from inference.bench.methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
                                      build_runners, pld_defaults)
-from inference.benchstats import Answer, TurnResult, bandwidth_floor, format_table, summarize
-from inference.draft_model import DraftModelDrafter, load_draft_model
-from inference.greedy_ties import Fp64Judge
-from inference.prompt_sets import PROMPT_SETS, Question, load_questions
-from inference.registry import names_draft_model
+from inference.bench.prompt_sets import PROMPT_SETS, Question, load_questions
+from inference.bench.stats import Answer, TurnResult, bandwidth_floor, format_table, summarize
+from inference.drafters.draft_model import DraftModelDrafter, load_draft_model
+from inference.drafters.registry import names_draft_model
 from inference.session import (add_model_args, add_sampling_args, check_sampling, encode_messages,
                                open_session)
 
@@ -256,7 +256,7 @@ def command_line() -> str:
 def code_version() -> dict[str, Any]:
     """The commit the code ran at and whether tracked files had local changes, so a results table can name both;
     None outside a git checkout."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def git(*argv: str) -> str | None:
         try:
@@ -373,7 +373,7 @@ def run_all(session: Any, runners: dict[str, Runner], questions: list[Question],
 def write_plots(folder: Path, summary: dict[str, Any], main_answers: list[Answer],
                 drafter_config: dict[str, Any] | None) -> list[Path]:
     """The three report figures (each skipped, with a note, when its data is absent)."""
-    from inference.plots import (  # deferred: matplotlib, an optional extra, only with --plot
+    from inference.bench.plots import (  # deferred: matplotlib, an optional extra, only with --plot
         head_accuracies, plot_accept_hist, plot_bench_summary, plot_head_accuracy)
 
     written = []

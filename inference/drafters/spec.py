@@ -4,7 +4,7 @@ it (`load("jacobi:n=32", ...)`, `--drafter lookahead --drafter-option draft_node
     "prompt_lookup"                      DrafterSpec("prompt_lookup", ())
     "jacobi:n=32,init=pad"               DrafterSpec("jacobi", (("n", "32"), ("init", "pad")))
 
-Values stay text here; each drafter converts and checks its own keys (inference.registry).
+Values stay text here; each drafter converts and checks its own keys (inference.drafters.registry).
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ Lossless: with acceptance="exact" the output equals (greedy) or is distributed a
 alone with the same `SamplingParams`. acceptance="typical" is lossy. "Equals" is up to floating point: a K-node
 forward may round differently from a one-token forward, which can flip a near-tied argmax (rare in fp32, less rare
 in bf16), exactly as batching does in plain decoding. On the CPU, the loop runs a bf16 model's few-row linears through
-the engine's own kernel (inference.cpu_kernels; `DecodeConfig.cpu_kernel=False` keeps stock PyTorch), which rounds
-like stock up to summation order: the same kind of difference. Masked forwards of a grouped-query model on the CPU
-skip stock sdpa's key/value copy (inference.attention; bit-identical outputs).
+the engine's own kernel (inference.kernels.cpu_linear; `DecodeConfig.cpu_kernel=False` keeps stock PyTorch), which
+rounds like stock up to summation order: the same kind of difference. Masked forwards of a grouped-query model on the
+CPU skip stock sdpa's key/value copy (inference.kernels.attention; bit-identical outputs).
 
-Devices (a target split by `device_map`, see inference.devices): the loop's state, the drafts and the masks live on
-the input embeddings' device; the cache layers stay on their own layers' devices; logits are turned into tokens
+Devices (a target split by `device_map`, see inference.engine.devices): the loop's state, the drafts and the masks live
+on the input embeddings' device; the cache layers stay on their own layers' devices; logits are turned into tokens
 where they come back (`verify_device`) and the resulting tokens are moved to the state's device.
 """
 
@@ -27,15 +27,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from inference.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
-from inference.attention import gqa_attention
-from inference.cpu_kernels import fast_linears
-from inference.devices import cuda_sync, input_device
-from inference.drafters import DecodeState, Draft, Drafter, NoDrafter
-from inference.tree import tree_on
-from inference.verify import (
+from inference.engine.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.engine.devices import cuda_sync, input_device
+from inference.engine.drafter import DecodeState, Draft, Drafter, NoDrafter
+from inference.engine.tree import tree_on
+from inference.engine.verify import (
     SamplingParams, VerifyResult, next_token, verify_greedy, verify_rejection, verify_speculative, verify_typical,
 )
+from inference.kernels.attention import gqa_attention
+from inference.kernels.cpu_linear import fast_linears
 
 ACCEPTANCE = ("exact", "typical")
 
@@ -49,8 +49,8 @@ class DecodeConfig:
     typical_delta: float = 0.3
     eos_token_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # generation stops after any of these id sequences
-    cpu_kernel: bool = True  # few-row bf16 CPU linears through inference.cpu_kernels (stock where unsupported)
-    gqa_attention: bool = True  # masked CPU sdpa without repeat_kv (inference.attention; same outputs as stock)
+    cpu_kernel: bool = True  # few-row bf16 CPU linears through inference.kernels.cpu_linear (stock where unsupported)
+    gqa_attention: bool = True  # masked CPU sdpa without repeat_kv (inference.kernels.attention; same outputs as stock)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -110,8 +110,8 @@ class GenerationOutput:
 
 @dataclass
 class _Clock:
-    """Seconds per phase. `sync` (a model on CUDA, see inference.devices.cuda_sync) runs at both ends of every phase:
-    kernel launches return before their work is done, so without it each phase would be billed for its
+    """Seconds per phase. `sync` (a model on CUDA, see inference.engine.devices.cuda_sync) runs at both ends of every
+    phase: kernel launches return before their work is done, so without it each phase would be billed for its
     predecessor's kernels (the tree forward's time showed up under verify, whose host-side walk waits for the logits).
     It costs the overlap of one phase's kernels with the next phase's launches."""
 

@@ -1,9 +1,9 @@
 """Benchmark bookkeeping: per-turn results -> summary dict (JSON-ready) -> printed table. No model code.
 
-Definitions (also in inference.bench): tau = new tokens / target forwards (prefill included); speedup = tokens/s of
+Definitions (also in inference.bench.run): tau = new tokens / target forwards (prefill included); speedup = tokens/s of
 the main method over a baseline's (one per baseline); ideal speedup = tau x t_AR_step / t_tree_forward; efficiency =
 speedup vs ar / ideal speedup. Greedy identity: every method's turns against the reference's (ar, else hf), a
-differing turn judged a verified near tie or a mismatch by a `Judge` the caller passes (inference.greedy_ties: the
+differing turn judged a verified near tie or a mismatch by a `Judge` the caller passes (inference.bench.greedy_ties: the
 rule, a stated rounding tolerance on float64 logits at the first differing token and at every later token of the
 method's output, and Fp64Judge, the float64 rerun). "Lossless" only when no turn is a mismatch.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.generate import StepTimes
-from inference.greedy_ties import Divergence, Judge, TieVerdict, first_divergence
+from inference.bench.greedy_ties import Divergence, Judge, TieVerdict, first_divergence
+from inference.engine.loop import StepTimes
 
 PHASES = ("draft", "forward", "verify", "cache", "other")
 
@@ -263,7 +263,7 @@ def greedy_verdict(check: dict[str, Any]) -> list[str]:
     verdict = "lossless" if check["lossless"] else "NOT lossless"
     lines = [f"greedy outputs vs {reference}: {verdict} ({parts}); a verified near tie parts where the two tokens' "
              f"float64 logits are tied within the run dtype's rounding tolerance, and every later token of the "
-             f"method is float64's greedy choice within it (inference.greedy_ties)"]
+             f"method is float64's greedy choice within it (inference.bench.greedy_ties)"]
     mismatches = [(name, d) for name, r in rows.items() for d in r["divergences"] if d["verdict"] == "mismatch"]
     for name, d in mismatches[:SHOWN_MISMATCHES]:
         lines.append(f"MISMATCH {name}, question {d['question_id']} turn {d['turn']}: " + mismatch_reason(d))

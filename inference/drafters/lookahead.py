@@ -8,7 +8,7 @@ tokens seen so far: the prompts of the current request (weight `prompt_weight`) 
 1), across requests. Per step and row, the suffix of the context (prompt + committed tokens, root last) is matched
 with the longest prefix first; the matched node's most frequent continuations are taken best-first, and when the
 longest prefix yields fewer than `draft_nodes` nodes, shorter prefixes fill the rest (the prefix length adapts to
-the number of matches). The branches merge into one token tree per step (inference.token_tree) that the target
+the number of matches). The branches merge into one token tree per step (inference.drafters.path_trees) that the target
 verifies with tree attention in one forward.
 
 Memory is bounded: the trie never holds more than `max_nodes` nodes; when full it prunes to PRUNE_TO of that,
@@ -16,7 +16,7 @@ dropping the least frequent n-grams first and, among equally frequent ones, the 
 prompt n-grams are eliminated (their prompt weight subtracted) when the next request starts; outputs stay.
 
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
-the one-hot rule (inference.verify) keep the output exact.
+the one-hot rule (inference.engine.verify) keep the output exact.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from inference.drafters import DecodeState, Draft
-from inference.token_tree import TreeCache, paths_draft, row_prompts
-from inference.verify import VerifyResult
+from inference.drafters.path_trees import TreeCache, paths_draft, row_prompts
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.verify import VerifyResult
 
 PRUNE_TO = 0.75  # prune to this share of max_nodes, so a prune (a sort of all nodes) is paid once per many inserts
 EMPTY = 1e-9  # an n-gram whose count falls to this after elimination is gone

@@ -9,7 +9,7 @@ occurrence, as a chain. Each row keeps a hash index n-gram -> end of its latest 
 updated with the committed tokens, so a lookup costs O(max_ngram) whatever the length of the context.
 
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
-the one-hot rule (inference.verify) keep the output exact.
+the one-hot rule (inference.engine.verify) keep the output exact.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from inference.drafters import DecodeState, Draft
-from inference.token_tree import TreeCache, paths_draft, row_prompts
-from inference.verify import VerifyResult
+from inference.drafters.path_trees import TreeCache, paths_draft, row_prompts
+from inference.engine.drafter import DecodeState, Draft
+from inference.engine.verify import VerifyResult
 
 
 class NgramIndex:

@@ -3,15 +3,15 @@
 Dimension letters: K tree nodes (root included), H heads, R top-k ranks per head, V vocab, D hidden.
 
 1. Cost curve: t(K), the engine's forward over a K-node tree on a cache of `context` tokens plus greedy verification
-   (inference.tree_builder.measure_forward_cost, synchronised on CUDA); t(1) is a plain step. The heads' draft time
+   (inference.bench.tree_fit.measure_forward_cost, synchronised on CUDA); t(1) is a plain step. The heads' draft time
    with the first d heads (measure_head_cost).
 2. Decoding: every prompt greedily through our loop without a drafter ("ar"), Hugging Face `generate` ("hf") and
-   Medusa heads on K-node trees ("tree<K>"), with the loop's per-phase timers; inference.benchstats.summarize turns
+   Medusa heads on K-node trees ("tree<K>"), with the loop's per-phase timers; inference.bench.stats.summarize turns
    them into tau, tokens/s, speedups, per-step phase times and the engine efficiency (speedup over ar / (tau x
-   t_AR_step / t_tree_forward)). The K-node trees are the greedy Medusa trees (inference.tree.greedy_tree_choices)
-   for the heads' rank accuracy measured on the ar outputs.
+   t_AR_step / t_tree_forward)). The K-node trees are the greedy Medusa trees
+   (inference.engine.tree.greedy_tree_choices) for the heads' rank accuracy measured on the ar outputs.
 3. Greedy identity: each pair of methods' outputs per prompt is identical, a verified near tie or a real mismatch
-   (inference.greedy_ties, re-run in `hi_dtype`; this casts the model, so it comes last). In a pair (left, right)
+   (inference.bench.greedy_ties, re-run in `hi_dtype`; this casts the model, so it comes last). In a pair (left, right)
    the right side is the reference and the left's later tokens are checked too: the engine methods come first.
 """
 
@@ -23,14 +23,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from inference.api import MEDUSA_TOPK, Engine
-from inference.bench import WARMUP_TOKENS
-from inference.bench_methods import EngineRunner, HFRunner, Runner, Sampling
-from inference.benchstats import Answer, Totals, summarize
-from inference.devices import input_device
-from inference.drafters import MedusaDrafter, NoDrafter
-from inference.greedy_ties import TIE_ULPS, classify, first_divergence
-from inference.tree import greedy_tree_choices, load_tree
-from inference.tree_builder import RankCounter, measure_forward_cost, measure_head_cost, score_heads
+from inference.bench.greedy_ties import TIE_ULPS, classify, first_divergence
+from inference.bench.methods import EngineRunner, HFRunner, Runner, Sampling
+from inference.bench.run import WARMUP_TOKENS
+from inference.bench.stats import Answer, Totals, summarize
+from inference.bench.tree_fit import RankCounter, measure_forward_cost, measure_head_cost, score_heads
+from inference.drafters.medusa import MedusaDrafter
+from inference.engine.devices import input_device
+from inference.engine.drafter import NoDrafter
+from inference.engine.tree import greedy_tree_choices, load_tree
 from models.backbone import final_hidden
 from models.medusa import MedusaConfig, MedusaHeads
 
@@ -80,7 +81,7 @@ def rank_accuracy(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence[
 
 
 def totals(answers: list[Answer]) -> dict[str, Any]:
-    """One method's tokens/s and (engine methods) mean per-step phase times, as benchstats reports them."""
+    """One method's tokens/s and (engine methods) mean per-step phase times, as bench.stats reports them."""
     t = Totals()
     for answer in answers:
         for turn in answer.turns:
@@ -120,7 +121,7 @@ def greedy_identity(model: torch.nn.Module, prompts: Sequence[list[int]], output
     rule = (f"re-run prompt + the tested output teacher-forced in {hi}, from the first differing token on: near tie "
             f"if there both tokens, and after it every token of the tested output, lie within "
             f"{TIE_ULPS[run_dtype]:g} x the {str(run_dtype).removeprefix('torch.')} unit roundoff x max|logit| of "
-            f"the {hi} argmax (inference.greedy_ties)")
+            f"the {hi} argmax (inference.bench.greedy_ties)")
     return {"rule": rule, "pairs": counts, "divergences": details}
 
 

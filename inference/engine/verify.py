@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from inference.tree import TreeBuffers
+from inference.engine.tree import TreeBuffers
 
 ARGMAX_CHUNK = 1024  # vocabulary slice per first-stage max in `greedy_argmax`
 

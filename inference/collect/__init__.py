@@ -1,0 +1,2 @@
+"""Data collection with the engine: self_distill (a target answers prompts, in-run or offline) and
+jacobi_trajectories (Jacobi trajectories for CLLM training)."""
