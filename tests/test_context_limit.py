@@ -4,6 +4,7 @@ many; within the context, tree steps at its very end stay exact (inference.engin
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,13 +96,17 @@ def cli_error(capsys, *argv: str) -> tuple[int, list[str]]:
 def test_cli_refuses_max_new_tokens_beyond_the_context_before_loading(saved_model, capsys, monkeypatch, tmp_path,
                                                                       command):
     monkeypatch.setattr("inference.session.load", lambda *a, **k: pytest.fail("a model loaded"))
-    extra = ("--prompt", "hi") if command == "generate" else ("--out", tmp_path / "out")
+    questions = tmp_path / "questions" / "q.jsonl"  # its own question file: no shared data folder needed
+    questions.parent.mkdir()
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Say hi."]}) + "\n")
+    out = tmp_path / "run" / "out"
+    extra = ("--prompt", "hi") if command == "generate" else ("--out", out, "--questions", questions)
     code, err = cli_error(capsys, command, "--base", saved_model, "--max-new-tokens", "10000000", "--device", "cpu",
                           *extra)
     assert code == 2
     assert err == [f"error: --max-new-tokens=10000000: 1 prompt token(s) + 10000000 new tokens exceed {saved_model}'s "
                    f"context of 512 positions (max_position_embeddings); at most 511 new tokens fit"]
-    assert list(tmp_path.rglob("*")) == []  # nothing written, not even bench's --out folder
+    assert not out.parent.exists()  # nothing written, not even bench's --out folder
 
 
 def test_cli_refuses_a_prompt_that_leaves_too_little_room(saved_model, capsys):
