@@ -11,7 +11,8 @@ from data.errors import UsageError
 from inference.drafters.jacobi import JacobiOptions
 from inference.drafters.registry import (API, CLI, DRAFTERS, LoadOptions, build_from_spec, named_spec,
                                          names_draft_model, resolve, spec_names)
-from inference.drafters.spec import DrafterSpec
+from inference.drafters import registry
+from inference.drafters.spec import DrafterSpec, parse_value
 from inference.session import drafter_spec
 from models.checkpoint import CheckpointError
 
@@ -183,3 +184,30 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_local_cache(tmp_path, monkeypa
     local = tmp_path / "runs" / "draft"
     save_tiny_model(local)
     assert resolve("runs/draft", "builtin:tiny", CLI).path == Path("runs/draft")  # a local path wins over the hub
+
+
+@pytest.mark.parametrize("text, kind, value", [
+    ("false", bool, False), ("No", bool, False), ("0", bool, False), ("true", bool, True), ("on", bool, True),
+    ("8", int, 8), ("2.5", float, 2.5), ("pad", str, "pad"),
+])
+def test_option_values_take_their_keywords_type(text, kind, value):
+    assert parse_value(text, kind) == value and type(parse_value(text, kind)) is kind
+
+
+@pytest.mark.parametrize("text, kind", [("maybe", bool), ("3.5", int), ("", int), ("x", float)])
+def test_option_values_of_the_wrong_type_are_refused(text, kind):
+    with pytest.raises(ValueError):
+        parse_value(text, kind)
+
+
+def test_a_boolean_option_reads_false_as_false(monkeypatch):
+    """`bool("false")` is True: a training-free drafter's bool keyword must not read it that way."""
+    class Flagged:
+        def __init__(self, greedy: bool = True, width: int = 4) -> None:
+            self.greedy, self.width = greedy, width
+
+    monkeypatch.setitem(registry.KEYWORD_DRAFTERS, "flagged", Flagged)
+    built = registry.build_training_free("flagged", {"greedy": "false", "width": "6"})
+    assert built.greedy is False and built.width == 6
+    with pytest.raises(UsageError, match="flagged: option greedy must be bool, got 'perhaps'"):
+        registry.build_training_free("flagged", {"greedy": "perhaps"})

@@ -42,7 +42,7 @@ from inference.drafters.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiO
 from inference.drafters.lookahead import LookaheadDrafter
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
-from inference.drafters.spec import DrafterSpec
+from inference.drafters.spec import DrafterSpec, parse_value
 from inference.engine.devices import output_device
 from inference.engine.drafter import Drafter, NoDrafter
 from inference.engine.tree import load_tree
@@ -202,7 +202,7 @@ def build_training_free(name: str, options: Mapping[str, str]) -> Drafter:
             raise UsageError(f"{name}: unknown option {key!r} (known: {', '.join(params)})")
         kind = type(params[key].default)
         try:
-            kwargs[key] = kind(text)
+            kwargs[key] = parse_value(text, kind)
         except ValueError:
             raise UsageError(f"{name}: option {key} must be {kind.__name__}, got {text!r}") from None
     return KEYWORD_DRAFTERS[name](**kwargs)

@@ -4,13 +4,14 @@ it (`load("jacobi:n=32", ...)`, `--drafter lookahead --drafter-option draft_node
     "prompt_lookup"                      DrafterSpec("prompt_lookup", ())
     "jacobi:n=32,init=pad"               DrafterSpec("jacobi", (("n", "32"), ("init", "pad")))
 
-Values stay text here; each drafter converts and checks its own keys (inference.drafters.registry).
+Values stay text here; `parse_value` turns one into the type a drafter's keyword takes (int, float, bool, str), and
+each drafter checks its own ranges (inference.drafters.registry).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from data.errors import UsageError
 
@@ -44,3 +45,20 @@ class DrafterSpec:
 
     def __str__(self) -> str:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
+
+
+BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def parse_value(text: str, kind: type) -> Any:
+    """`text` as a value of `kind` (the type of a drafter keyword's default). A bool reads true/false, yes/no, on/off,
+    1/0 (`bool("false")` would be True); an int must be written as one ("3.5" is refused, not truncated); int,
+    float and str convert as Python does. ValueError when the text is not such a value."""
+    if kind is bool:
+        value = BOOLEANS.get(text.strip().lower())
+        if value is None:
+            raise ValueError(f"not a boolean: {text!r}")
+        return value
+    if kind in (int, float, str):
+        return kind(text)
+    raise ValueError(f"no text form for {kind.__name__} options")
