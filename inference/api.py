@@ -34,7 +34,7 @@ from inference.engine.verify import SamplingParams
 from inference.textstream import TextStream
 from models.backbone import eos_token_ids
 from models.checkpoint import load_drafter_target
-from models.loading import TOKENIZER_FILES, load_target, load_tokenizer
+from models.loading import has_tokenizer, load_target, load_tokenizer
 from models.refs import LocalRef, ModelSettings, model_settings
 
 Message = dict[str, str]
@@ -113,8 +113,9 @@ class Engine:
                              "engine.stream(prompt) streams text")
         batched = not is_text_prompt(prompt)
         rows = [self.encode(p, raw) for p in (prompt if batched else [prompt])]
-        streams = [TextStream(self.tokenizer, self._stop_strings(stop)) for _ in rows]
-        out = self.generate_ids(rows, stop=self._stop_ids(stop), stream=lambda row, ids: streams[row](row, ids),
+        stops = self._stop_strings(stop)
+        streams = [TextStream(self.tokenizer, stops) for _ in rows]
+        out = self.generate_ids(rows, stop=self.stop_ids(stop), stream=lambda row, ids: streams[row](row, ids),
                                 **kwargs)
         finished = [s.finish(ids) for s, ids in zip(streams, out.sequences)]
         texts = [text for text, _ in finished]
@@ -137,7 +138,7 @@ class Engine:
 
         def work() -> None:
             try:
-                out = self.generate_ids([ids], stop=self._stop_ids(stop),
+                out = self.generate_ids([ids], stop=self.stop_ids(stop),
                                         stream=lambda row, new: text(row, new) or cancelled.is_set(), **kwargs)
                 text.finish(out.sequences[0])
             except BaseException as err:  # handed to the caller's thread
@@ -216,7 +217,7 @@ class Engine:
             raise ValueError("stop: text prompts take non-empty stop strings")
         return list(stop)
 
-    def _stop_ids(self, stop: Sequence[str]) -> list[list[int]]:
+    def stop_ids(self, stop: Sequence[str]) -> list[list[int]]:
         """Each stop string's own tokens, so the loop ends a row there too when the model spells it that way."""
         encoded = (self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in stop)
         return [list(ids) for ids in encoded if ids]
@@ -321,10 +322,6 @@ def load_text_side(request: DrafterRequest, settings: ModelSettings, base_overri
         if isinstance(tokenizer, LocalRef) and not has_tokenizer(tokenizer.path):
             return None, template  # a bare model folder (weights and config only): the engine takes token ids
     return load_tokenizer(tokenizer, trust_remote_code=trust_remote_code), template
-
-
-def has_tokenizer(folder: Path) -> bool:
-    return any((folder / f).is_file() for f in TOKENIZER_FILES)
 
 
 def trained_setting(config: dict[str, Any] | None, key: str, groups: Sequence[str]) -> str | None:

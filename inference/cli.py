@@ -102,11 +102,10 @@ def run_generate(args: argparse.Namespace) -> int:
     check_context(session.engine.model.config, len(prompt_ids), args.max_new_tokens, "--max-new-tokens", session.base)
     emit = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     stream = TextStream(session.tokenizer, args.stop, emit)
-    stop_ids = [session.tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop]
     out = session.engine.generate(
         prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, acceptance=args.acceptance, stop=[s for s in stop_ids if s], ignore_eos=args.ignore_eos,
-        stream=stream, seed=args.seed,
+        top_p=args.top_p, acceptance=args.acceptance, stop=session.engine.stop_ids(args.stop),
+        ignore_eos=args.ignore_eos, stream=stream, seed=args.seed,
     )
     text, token_ids = stream.finish(out.sequences[0])
     stats = stats_dict(out.stats)

@@ -38,6 +38,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether a model folder holds tokenizer files (any of TOKENIZER_FILES); a bare folder has weights and config
+    only."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def build_tiny(name: str) -> Path:
     """The directory of tiny model `name` (a key of tiny.BUILTIN_MODELS), built here, once, when it never was, after a
     line on stderr naming the explicit build step (tokenizer, pretraining and chat fine-tuning: minutes, not

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
-from models.builtin import TOKENIZER_FILES, ModelLoadError, torch_dtype
+from models.builtin import ModelLoadError, has_tokenizer, torch_dtype
 
 if TYPE_CHECKING:  # models.refs calls this module with its refs; importing it here would be a cycle
     from models.refs import EarlyExitRef
@@ -63,7 +63,7 @@ def build_early_exit_draft(source: str | Path, num_layers: int, out_dir: str | P
     model.config.name_or_path = where
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+    if Path(path).is_dir() and not has_tokenizer(path):
         tokenizer_copied = False  # a bare model folder (tests' random models): nothing to copy
     else:
         from transformers import AutoTokenizer

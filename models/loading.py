@@ -16,7 +16,7 @@ import torch
 from data.extras import require
 from data.templates import get_template
 from models.builtin import (  # noqa: F401  (re-exported: the names callers know models.loading by)
-    DTYPES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError, torch_dtype,
+    DTYPES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError, has_tokenizer, torch_dtype,
 )
 from models.refs import ModelRef, at_revision, locate, parse_model
 

@@ -31,7 +31,7 @@ from inference.engine.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.engine.verify import VerifyResult, greedy_argmax, sample, target_probs
 from models.checkpoint import (CONFIG_NAME, DrafterMismatchError, attach_shared, draft_model_folder, read_drafter_config,
                                shared_spec)
-from models.loading import DTYPES, TOKENIZER_FILES, load_target, model_config
+from models.loading import DTYPES, has_tokenizer, load_target, model_config
 from models.refs import BuiltinRef, EarlyExitRef, LocalRef, ModelRef, locate, model_settings
 from models.stopper import StopperModel, load_stopper, stop_features
 
@@ -76,7 +76,7 @@ def check_vocab_files(draft: str, target: str, target_tokenizer: Any, setting: s
             f"{setting}: the draft model has a vocabulary of {draft_vocab} tokens but the target {target} has "
             f"{target_vocab}; a draft model must share the target's tokenizer")
     folder = locate(draft)
-    if target_tokenizer is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if target_tokenizer is None or not has_tokenizer(folder):
         return
     from transformers import AutoTokenizer
 
