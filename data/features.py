@@ -91,8 +91,10 @@ class Manifest:
         width = STORAGE_DTYPES[self.dtype].itemsize * self.hidden_size * (1 + len(self.layers))
         return width + 4 + 1 + (self.topk * 8 + 4 if self.topk else 0)
 
-    def mismatch(self, other: "Manifest") -> str | None:
-        """Why a cache described by `self` cannot be continued or read as `other` (the run's), or None."""
+    def mismatch(self, other: "Manifest", counts: bool = True) -> str | None:
+        """Why a cache described by `self` cannot be continued or read as `other` (the run's), or None. With
+        counts=False the recipe's data config is compared but not what the data build counted (a run that has not
+        built its data yet)."""
         if not same_target(self.target, other.target):
             return (f"it was made for another target ({_describe(self.target)}; this run: "
                     f"{_describe(other.target)})")
@@ -101,7 +103,7 @@ class Manifest:
         for key in ("layers", "topk", "dtype"):
             if getattr(self, key) != getattr(other, key):
                 return f"it holds features.{key}={getattr(self, key)}, this run asks for {getattr(other, key)}"
-        if self.recipe != other.recipe:
+        if (self.recipe if counts else self.recipe.get("data")) != (other.recipe if counts else other.recipe.get("data")):
             return "it was made from other data (the data config or its files changed)"
         return None
 

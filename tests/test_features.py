@@ -236,8 +236,6 @@ def test_bad_feature_settings_are_one_line(model_dir, data_file, tmp_path):
     base[base.index(f"data.features={tmp_path}")] = f"data.features={tmp_path / 'missing'}"
     result = run(base, expect_ok=False)
     assert result.returncode == 2 and "no such directory" in result.stderr
-    result = extract(model_dir, data_file, tmp_path / "c", "data.self_distill=true", expect_ok=False)
-    assert result.returncode == 2 and "data.self_distill=true" in result.stderr
     result = extract(model_dir, data_file, tmp_path / "c", "method.layers=[9]", expect_ok=False)
     assert result.returncode == 1 and "method.layers=[9]" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "c" / "manifest.json").exists()
@@ -278,6 +276,85 @@ def test_two_ranks_write_the_cache_one_process_writes(model_dir, data_file, full
     for name in one:
         for key in one[name]:
             torch.testing.assert_close(two[name][key], one[name][key], rtol=0, atol=1e-6, msg=f"{name}:{key}")
+
+
+SELF_DISTILL = ("data.self_distill=true", "data.self_distill_samples=9", "data.self_distill_new_tokens=5",
+                "data.self_distill_batch_size=4", "data.max_length=64")
+
+
+def answers(folder: Path) -> dict[str, dict]:
+    """The self-distilled records under folder/self_distill/, by id."""
+    return {r["id"]: r for path in sorted((folder / "self_distill").glob("*.jsonl"))
+            for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def self_distilled_cache(model_dir, data_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cache") / "self"
+    extract(model_dir, data_file, out, *SELF_DISTILL)
+    return out
+
+
+def test_a_self_distilled_cache_holds_the_targets_own_answers(model_dir, self_distilled_cache, full_cache):
+    from data.chat import encode_prompt
+    from data.config import load_data_config
+    from data.datasets import build_datasets
+    from inference.api import Engine
+    from inference.engine.drafter import NoDrafter
+    from models.loading import load_tokenizer
+
+    records = answers(self_distilled_cache)
+    assert len(records) == 9 and all(i.startswith("train:") for i in records)
+    tokenizer = load_tokenizer(str(model_dir))
+    engine = Engine(load_target(str(model_dir), dtype="fp32"), NoDrafter())
+    for record in records.values():  # each answer is the target's greedy reply to the first user turn
+        human, gpt = record["conversations"]
+        tokens = engine.generate(encode_prompt(tokenizer, [{"role": "user", "content": human["value"]}]),
+                                 max_new_tokens=5).sequences[0]
+        assert gpt["value"] == tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    # The cache's train split is those conversations read back by the same recipe; validation keeps the data's text.
+    recipe = load_data_config("sharegpt", {"path": str(self_distilled_cache / "self_distill"), "max_length": 64,
+                                           "validation_fraction": 0.0})
+    expected = sorted(tuple(x["input_ids"]) for x in build_datasets(recipe, tokenizer).train)
+    cached = sorted(tuple(x["input_ids"].tolist()) for x in FeatureDataset(self_distilled_cache, "train"))
+    assert cached == expected
+    manifest = Manifest.read(self_distilled_cache)
+    assert manifest.complete and manifest.samples["train"] == 9 and manifest.recipe["data"]["self_distill"]
+    assert manifest.samples["validation"] == Manifest.read(full_cache).samples["validation"]  # the data's own text
+
+
+def test_a_self_distilled_cache_resumes_its_answers(model_dir, data_file, self_distilled_cache, tmp_path):
+    """Killed while answering (some answers written, the last line torn): a rerun answers only the rest, and the
+    cache equals one made in one go."""
+    out = tmp_path / "resumed"
+    (out / "self_distill").mkdir(parents=True)
+    first = (self_distilled_cache / "self_distill" / "rank000.jsonl").read_text().splitlines(keepends=True)
+    (out / "self_distill" / "rank000.jsonl").write_text("".join(first[:4]) + first[4][:20])
+    result = extract(model_dir, data_file, out, *SELF_DISTILL)
+    assert "5 answers generated, 4 already in" in result.stdout + result.stderr
+    assert answers(out) == answers(self_distilled_cache)
+    one, resumed = shard_tensors(self_distilled_cache), shard_tensors(out)
+    assert one.keys() == resumed.keys()
+    for name in one:
+        for key in one[name]:
+            torch.testing.assert_close(resumed[name][key], one[name][key], rtol=0, atol=0, msg=f"{name}:{key}")
+    rerun = extract(model_dir, data_file, out, *SELF_DISTILL)
+    assert "nothing to do" in rerun.stdout + rerun.stderr
+    other = extract(model_dir, data_file, out, *SELF_DISTILL, "data.self_distill_samples=7", expect_ok=False)
+    assert other.returncode == 1 and "made from other data" in other.stderr.strip().splitlines()[-1]
+    assert answers(out) == answers(self_distilled_cache)  # refused before answering anything
+
+
+@pytest.mark.distributed
+def test_two_ranks_share_the_answers_and_write_the_same_cache(model_dir, data_file, self_distilled_cache, tmp_path):
+    """Each rank answers every other conversation into its own file; the records and the cache equal one process's."""
+    out = tmp_path / "two"
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                "-m", "train")
+    extract(model_dir, data_file, out, *SELF_DISTILL, launcher=launcher)
+    assert sorted(p.name for p in (out / "self_distill").iterdir()) == ["rank000.jsonl", "rank001.jsonl"]
+    assert answers(out) == answers(self_distilled_cache)
+    assert Manifest.read(out).samples == Manifest.read(self_distilled_cache).samples
 
 
 @pytest.mark.parametrize("method, experiment", [("features", "sharegpt_features"), ("medusa1", "sharegpt_medusa1"),

@@ -71,6 +71,22 @@ def test_batched_equals_one_by_one_and_reads_as_sharegpt(setup, tmp_path):
     assert [t["from"] for t in next(r for r in batched if r["id"] == "src.json:3")["conversations"]] == ["human", "gpt"]
 
 
+def test_batches_go_longest_prompt_first_and_progress_counts_every_token(setup, tmp_path):
+    """Rows are batched by first-prompt length, longest first (ties in input order), so little padding; the
+    progress callback hears of every generated token."""
+    path, engine, tokenizer = setup
+    convs = [(f"s:{i}", [{"role": "user", "content": u}]) for i, u in enumerate(USER_TURNS)]
+    prompts = [encode_prompt(tokenizer, c) for _, c in convs]
+    heard: list[int] = []
+    stats = self_distill(engine, tokenizer, convs, tmp_path / "o.jsonl", SelfDistillConfig(max_new_tokens=5, batch_size=2),
+                         progress=heard.append)
+    order = sorted(range(len(convs)), key=lambda i: (-len(prompts[i]), i))
+    written = [r["id"] for r in read_jsonl(tmp_path / "o.jsonl")]
+    assert written == [f"s:{i}" for i in order if f"s:{i}" in written] and len(written) + stats.empty == len(convs)
+    assert len({len(p) for p in prompts}) > 2  # the order above is not the input order by accident
+    assert sum(heard) == sum(len(engine.generate(p, max_new_tokens=5).sequences[0]) for p in prompts)
+
+
 def test_resume_skips_done_ids_and_cuts_a_torn_line(setup, tmp_path):
     path, engine, tokenizer = setup
     out = tmp_path / "out.jsonl"
@@ -94,7 +110,7 @@ def test_cli_writes_and_reports_bad_input_in_one_line(setup, tmp_path, capsys):
     args = ["--model", str(path), "--data", str(data), "--output", str(out), "--max-new-tokens", "4", "--dtype", "fp32",
             "--device", "cpu"]
     assert main(args) == 0
-    assert [r["id"] for r in read_jsonl(out)] == ["in.jsonl:1", "in.jsonl:2", "in.jsonl:3"]
+    assert sorted(r["id"] for r in read_jsonl(out)) == ["in.jsonl:1", "in.jsonl:2", "in.jsonl:3"]
     assert "3 conversations written" in capsys.readouterr().out
     assert main([*args[:3], str(tmp_path / "missing.jsonl"), *args[4:]]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -30,15 +30,13 @@ from data.collate import ChatCollator
 from data.datasets import SplitDatasets, build_datasets, label_counts, load_conversations
 from data.extras import installed
 from data.features import FeatureCollator, FeatureDataset, check_cache, read_prompts
-from inference.api import Engine
-from inference.collect.self_distill import SelfDistillConfig, self_distill
-from inference.engine.drafter import NoDrafter
 from models.checkpoint import CheckpointError, read_drafter_config
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
 from train.checks import check_values
 from train.config import RESUME_KEYS
 from train.distributed import deepspeed_settings, gathered, init_deepspeed_comm, is_main_process
+from train.self_distill import trainer_datasets
 from train.trainer_hooks import ResumeHooks, check_private_hooks
 
 log = logging.getLogger("draftsmith")
@@ -476,33 +474,6 @@ def first_user_prompts(cfg: DictConfig, tokenizer: Any, split: str, limit: int, 
     return prompts
 
 
-SELF_DISTILL_FILE = "self_distill.jsonl"
-
-
-def self_distilled_train(cfg: DictConfig, target: nn.Module, tokenizer, args: TrainingArguments, path: Path):
-    """The train split with its first assistant turns regenerated greedily by `target` (data.self_distill).
-
-    Generation goes through the engine in batches and appends to `path` (ShareGPT JSONL), skipping conversations
-    already there, so an interrupted run resumes it; the main process generates first, the others then find it done.
-    """
-    import random
-
-    d = cfg.data
-    conversations = list(enumerate(load_conversations(d, "train"), start=1))
-    random.Random(d.seed).shuffle(conversations)
-    conversations = [(f"train:{i}", c) for i, c in conversations[: d.self_distill_samples]]
-    config = SelfDistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size,
-                               max_turns=1, chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed)
-    with args.main_process_first(desc="self-distillation"):
-        was_training = target.training
-        stats = self_distill(Engine(target.eval(), NoDrafter()), tokenizer, conversations, path, config)
-        target.train(was_training)
-    log.info("self-distillation: %d answers generated, %d reused from %s", stats.written, stats.already_done, path)
-    distilled = OmegaConf.merge(d, {"format": "sharegpt", "path": str(path), "validation_path": None,
-                                    "validation_fraction": 0.0, "system_prompt": None, "self_distill": False})
-    return build_datasets(distilled, tokenizer).train
-
-
 def throughput(train_metrics: dict[str, float], state: Any) -> dict[str, float]:
     """This process's training figures: optimizer steps, non-padding input tokens, seconds, tokens/s, seconds a step
     and the peak resident memory so far (GB; ru_maxrss is in KiB on Linux). A resumed run counts its own steps."""
@@ -592,10 +563,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         revision=cfg.model.revision,
     )
     if cfg.data.self_distill and not own_data and cache is None:
-        datasets = SplitDatasets(
-            train=self_distilled_train(cfg, target, tokenizer, args, output_dir / SELF_DISTILL_FILE),
-            validation=datasets.validation,  # ground truth: the validation rows keep meaning "the data's answers"
-        )
+        datasets = trainer_datasets(cfg, target, tokenizer, args, output_dir, datasets)
     if isinstance(method, CountsLabels):
         method.count_labels(datasets.train)
     model = method.build(target, tokenizer)

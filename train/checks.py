@@ -57,16 +57,14 @@ FEATURE_READERS = frozenset({"medusa1", "eagle3"})
 
 
 def check_features(cfg: DictConfig) -> None:
-    """The feature cache: `features` writes one from fixed text; a FEATURE_READERS method reads one (data.features)."""
+    """The feature cache: `features` writes one (from the data's text, or from the target's own answers under
+    data.self_distill); a FEATURE_READERS method reads one (data.features)."""
     reading = OmegaConf.select(cfg, "data.features")
     self_distill = OmegaConf.select(cfg, "data.self_distill", default=False)
     if cfg.method.name == "features":
         if reading:
             raise UsageError("data.features: the features method writes a cache to output_dir and reads none; "
                              "drop data.features")
-        if self_distill:
-            raise UsageError("data.self_distill=true: the features method caches fixed text; pass "
-                             "data.self_distill=false (or a data recipe without it, e.g. data=sharegpt_v3)")
         return
     if not reading:
         return

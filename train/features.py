@@ -36,13 +36,14 @@ from data.collate import ChatCollator
 from data.datasets import build_datasets
 from data.errors import UsageError
 from data.features import (
-    PROMPTS, STORAGE_DTYPES, FeatureCacheError, Manifest, remove_partial_shards, shard_name, write_json_atomic,
+    MANIFEST, PROMPTS, STORAGE_DTYPES, FeatureCacheError, Manifest, remove_partial_shards, shard_name, write_json_atomic,
     write_shard,
 )
 from models.backbone import padded_position_ids
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import load_target, load_tokenizer, model_config
 from train.base import first_user_prompts
+from train.self_distill import SELF_DISTILL_DIR, answer_share, chosen_conversations, with_distilled_train
 
 log = logging.getLogger("draftsmith")
 
@@ -195,6 +196,40 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def barrier(size: int) -> None:
+    """Wait for every rank (nothing to wait for alone)."""
+    if size > 1:
+        torch.distributed.barrier()
+
+
+def check_continuable(folder: Path, manifest: Manifest, counts: bool = True) -> Manifest | None:
+    """The cache already in `folder` (None: there is none), refused in one line when this run cannot continue it."""
+    if not (folder / MANIFEST).is_file():
+        return None
+    old = Manifest.read(folder)
+    problem = old.mismatch(manifest, counts=counts and bool(old.shards))  # no shards: written before the data was built
+    if problem:
+        raise FeatureCacheError(f"output_dir={folder} holds a feature cache that this run cannot continue: "
+                                f"{problem}; choose another output_dir or delete it")
+    return old
+
+
+def self_distill_bound(cfg: DictConfig, tokenizer: Any) -> int:
+    """Tokens the self-distilled train split can hold at most: each chosen conversation's first prompt plus
+    data.self_distill_new_tokens, within data.max_length."""
+    from data.chat import encode_prompt, first_user_turn
+
+    template = cfg.model.chat_template or cfg.data.chat_template
+    total = 0
+    for _, conversation in chosen_conversations(cfg):
+        turn = first_user_turn(conversation)
+        if turn is not None:
+            prompt = len(encode_prompt(tokenizer, turn, chat_template=template))
+            if prompt + cfg.data.self_distill_new_tokens <= cfg.data.max_length:  # longer ones are not answered
+                total += prompt + cfg.data.self_distill_new_tokens
+    return total
+
+
 def device_for_rank() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -218,9 +253,6 @@ class Method:
 
     def run(self, cfg: DictConfig) -> dict[str, float]:
         m = self.m
-        if cfg.data.self_distill:
-            raise UsageError("method=features caches the features of fixed text: data.self_distill must be false "
-                             "(extract from the self-distilled answers' file instead: data=sharegpt data.path=<jsonl>)")
         if cfg.data.get("features"):
             raise UsageError("method=features writes a feature cache to output_dir; data.features (reading one) must "
                              "be null")
@@ -236,14 +268,33 @@ class Method:
                              f"(0: embeddings, i: after decoder layer i)")
         if m.topk > config.vocab_size:
             raise UsageError(f"method.topk={m.topk}: the target's vocabulary has only {config.vocab_size} tokens")
-        datasets = build_datasets(cfg.data, tokenizer)
+        datasets = build_datasets(cfg.data, tokenizer)  # the data checked before any model loads
+        fingerprints = (target_fingerprint(cfg.model.path, cfg.model.trust_remote_code, cfg.model.revision),
+                        tokenizer_fingerprint(tokenizer))
+        target = None
+        if cfg.data.self_distill:  # the target answers the train prompts first; the cache holds its answers
+            head = Manifest(target=fingerprints[0], tokenizer=fingerprints[1], hidden_size=config.hidden_size,
+                            vocab_size=config.vocab_size, layers=layers, topk=m.topk, dtype=m.dtype,
+                            recipe=recipe(cfg, None), shards={})
+            old = check_continuable(folder, head, counts=False)
+            if old is not None and old.complete:
+                log.info("feature cache %s is complete (%s train tokens): nothing to do", folder, old.tokens.get("train"))
+                return {}
+            folder.mkdir(parents=True, exist_ok=True)
+            check_disk(folder, self_distill_bound(cfg, tokenizer) * head.bytes_per_token())
+            if rank == 0 and old is None:
+                head.write(folder)  # the answers below belong to this run's data: a rerun with other data is refused
+            target = self.load_target(cfg)
+            answer_share(cfg, target, tokenizer, folder, rank, size, barrier=lambda: barrier(size))
+            barrier(size)
+            datasets = with_distilled_train(cfg, tokenizer, folder / SELF_DISTILL_DIR, datasets)
         splits = {"train": datasets.train, "validation": datasets.validation}
         splits = {name: ds for name, ds in splits.items() if ds is not None and len(ds)}
         plans = {name: plan_shards(name, [len(ds[i]["input_ids"]) for i in range(len(ds))], m.batch_tokens,
                                    m.shard_tokens) for name, ds in splits.items()}
         manifest = Manifest(
-            target=target_fingerprint(cfg.model.path, cfg.model.trust_remote_code, cfg.model.revision),
-            tokenizer=tokenizer_fingerprint(tokenizer),
+            target=fingerprints[0],
+            tokenizer=fingerprints[1],
             hidden_size=config.hidden_size, vocab_size=config.vocab_size, layers=layers, topk=m.topk, dtype=m.dtype,
             recipe=recipe(cfg, datasets.report),
             shards={name: len(p) for name, p in plans.items()},
@@ -251,16 +302,10 @@ class Method:
             tokens={name: sum(p.tokens for p in ps) for name, ps in plans.items()},
             trained_tokens={name: getattr(datasets.report, name).trained_tokens for name in splits},
         )
-        existing = folder / "manifest.json"
-        if existing.is_file():
-            old = Manifest.read(folder)
-            problem = old.mismatch(manifest)
-            if problem:
-                raise FeatureCacheError(f"output_dir={folder} holds a feature cache that this run cannot continue: "
-                                        f"{problem}; choose another output_dir or delete it")
-            if old.complete:
-                log.info("feature cache %s is complete (%s train tokens): nothing to do", folder, old.tokens.get("train"))
-                return {}
+        old = check_continuable(folder, manifest)
+        if old is not None and old.complete:
+            log.info("feature cache %s is complete (%s train tokens): nothing to do", folder, old.tokens.get("train"))
+            return {}
         everything = [p for ps in plans.values() for p in ps]
         mine = everything[rank::size]  # round robin over the shards of both splits
         todo = [p for p in mine if not (folder / shard_name(p.split, p.index)).is_file()]
@@ -277,9 +322,9 @@ class Method:
             remove_partial_shards(folder)
             manifest.write(folder)
             write_json_atomic(folder / PROMPTS, validation_prompts(cfg, tokenizer))
-        stats = self.extract(cfg, folder, splits, todo, sum(p.tokens for p in mine), manifest, tokenizer.pad_token_id)
-        if size > 1:
-            torch.distributed.barrier()
+        stats = self.extract(cfg, target or self.load_target(cfg), folder, splits, todo, sum(p.tokens for p in mine),
+                             manifest, tokenizer.pad_token_id)
+        barrier(size)
         if rank == 0:
             missing = [shard_name(p.split, p.index) for ps in plans.values() for p in ps
                        if not (folder / shard_name(p.split, p.index)).is_file()]
@@ -291,16 +336,19 @@ class Method:
                   f"{human_bytes(sum(p.stat().st_size for p in folder.glob('*.safetensors')))} on disk)", flush=True)
         return stats
 
-    def extract(self, cfg: DictConfig, folder: Path, splits: dict[str, Any], todo: list[ShardPlan], mine: int,
-                manifest: Manifest, tokenizer_pad: int) -> dict[str, float]:
-        from tqdm.auto import tqdm
-
-        device = device_for_rank()
+    def load_target(self, cfg: DictConfig) -> nn.Module:
         target = load_target(cfg.model.path, dtype=cfg.model.dtype, quantization=cfg.model.quantization,
                              double_quant=cfg.model.double_quant, attn_implementation=cfg.model.attn_implementation,
                              trust_remote_code=cfg.model.trust_remote_code, revision=cfg.model.revision)
         if cfg.model.quantization in (None, "none"):
-            target = target.to(device)
+            target = target.to(device_for_rank())
+        return target.eval()
+
+    def extract(self, cfg: DictConfig, target: nn.Module, folder: Path, splits: dict[str, Any], todo: list[ShardPlan],
+                mine: int, manifest: Manifest, tokenizer_pad: int) -> dict[str, float]:
+        from tqdm.auto import tqdm
+
+        device = device_for_rank()
         collate = ChatCollator(tokenizer_pad)
         taps = LayerTaps(target, manifest.layers)
         left = sum(p.tokens for p in todo)

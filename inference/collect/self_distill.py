@@ -5,7 +5,7 @@ distribution and the LM loss does not pull the backbone towards another model's 
 Each conversation keeps its system and user turns; every assistant turn is regenerated in order, turn j seeing the
 model's own answers to the turns before it (a trailing user turn gets an answer too). Generation goes through the
 draftsmith engine (inference.api.Engine: plain decoding, or lossless speculative decoding with a drafter), batched over
-conversations at the same turn, left-padded.
+conversations at the same turn (sorted by the length of their first prompt, longest first), left-padded.
 
 Resumable: each finished conversation is appended as one line {"id", "conversations", "finish"}; a restart skips the
 ids already in the file (a torn last line from a crash is cut off first). Ids are "<file name>:<record number>".
@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from data.chat import Conversation, encode_prompt
 from data.readers import DataError, read_conversations
@@ -97,10 +97,25 @@ def script_of(conversation: Conversation, max_turns: int | None = None) -> Conve
 
 def done_ids(output: Path) -> set[str]:
     """Ids already written to `output`; a torn last line (no newline, or not JSON) is cut from the file first."""
+    ids, complete, size = _read_ids(output)
+    if complete < size:
+        log.warning("%s: cutting a torn last line (%d bytes) left by an interrupted run", output, size - complete)
+        with open(output, "r+b") as f:
+            f.truncate(complete)
+    return ids
+
+
+def written_ids(output: Path) -> set[str]:
+    """Ids written to `output` in complete lines; the file is left as it is (another process may own it)."""
+    return _read_ids(output)[0]
+
+
+def _read_ids(output: Path) -> tuple[set[str], int, int]:
+    """(ids in the complete lines of `output`, bytes up to the end of the last complete line, file size)."""
     if not output.is_file():
-        return set()
+        return set(), 0, 0
     data = output.read_bytes()
-    complete = data.rfind(b"\n") + 1  # bytes up to the end of the last complete line
+    complete = data.rfind(b"\n") + 1
     ids = set()
     for lineno, line in enumerate(data[:complete].split(b"\n")[:-1], start=1):
         if not line.strip():
@@ -109,11 +124,7 @@ def done_ids(output: Path) -> set[str]:
             ids.add(json.loads(line)["id"])
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"{output}:{lineno}: not a self-distillation record ({err}); move the file away") from None
-    if complete < len(data):
-        log.warning("%s: cutting a torn last line (%d bytes) left by an interrupted run", output, len(data) - complete)
-        with open(output, "r+b") as f:
-            f.truncate(complete)
-    return ids
+    return ids, complete, len(data)
 
 
 def sharegpt_record(row: _Row) -> dict[str, Any]:
@@ -127,13 +138,16 @@ def self_distill(
     conversations: list[tuple[str, Conversation]],
     output: Path,
     config: SelfDistillConfig = SelfDistillConfig(),
+    progress: Callable[[int], Any] | None = None,
 ) -> DistillStats:
     """Regenerate the assistant turns of `conversations` ((id, conversation) pairs) with `engine`
-    (an inference.api.Engine) and append them to `output`, skipping ids already there."""
+    (an inference.api.Engine) and append them to `output`, skipping ids already there. `progress(n)` is told of
+    every n tokens generated, as they come (a tqdm bar's update)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(output)
     todo = [_Row(id=i, script=script_of(c, config.max_turns), messages=[], finish=[]) for i, c in conversations
             if i not in done]
+    todo = by_prompt_length(todo, tokenizer, config.chat_template)
     eos = set(_eos_ids(engine.model, tokenizer))
     written = too_long = empty = truncated = 0
     with open(output, "a", encoding="utf-8") as out:
@@ -154,7 +168,8 @@ def self_distill(
                 if not active:
                     break
                 result = engine.generate(prompts, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                         top_k=config.top_k, top_p=config.top_p, seed=config.seed + start)
+                                         top_k=config.top_k, top_p=config.top_p, seed=config.seed + start,
+                                         stream=None if progress is None else _counting(progress))
                 for row, tokens in zip(active, result.sequences):
                     stopped = bool(tokens) and tokens[-1] in eos
                     truncated += not stopped
@@ -175,6 +190,26 @@ def self_distill(
             log.info("%d / %d conversations done", min(start + config.batch_size, len(todo)), len(todo))
     return DistillStats(written=written, already_done=len(conversations) - len(todo), too_long=too_long, empty=empty,
                         truncated_turns=truncated)
+
+
+def by_prompt_length(rows: list[_Row], tokenizer: Any, chat_template: str | None) -> list[_Row]:
+    """`rows` sorted by the length of their first prompt, longest first (ties keep their order): a batch then holds
+    prompts of about one length, so left padding wastes little, and a batch too long for memory fails first.
+    Deterministic, so a resumed run meets the same batches."""
+    def first_prompt_length(row: _Row) -> int:
+        slot = next((i for i, m in enumerate(row.script) if m["role"] == "assistant"), len(row.script))
+        head = row.script[:slot]  # the messages before the first answer
+        return len(encode_prompt(tokenizer, head, chat_template=chat_template)) if head else 0
+
+    lengths = [first_prompt_length(row) for row in rows]
+    return [rows[i] for i in sorted(range(len(rows)), key=lambda i: (-lengths[i], i))]
+
+
+def _counting(progress: Callable[[int], Any]) -> Callable[[int, list[int]], None]:
+    """An engine stream callback that tells `progress` how many tokens arrived (and never asks to stop)."""
+    def stream(row: int, new: list[int]) -> None:
+        progress(len(new))
+    return stream
 
 
 def _advance(row: _Row) -> bool:
