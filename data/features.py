@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from data.atomic import write_file, write_json
 from data.chat import IGNORE_INDEX
 from data.errors import UsageError
 
@@ -68,7 +69,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def write(self, folder: Path) -> None:
-        write_json_atomic(folder / MANIFEST, asdict(self))
+        write_json(folder / MANIFEST, asdict(self))
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> "Manifest":
@@ -116,20 +117,9 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.safetensors"
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a shard under a temporary name and rename it: a shard file that exists is complete."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a cache is usually shared like any dataset
-    os.replace(tmp, path)
+    """Write a shard under a temporary name and rename it (data.atomic): a shard file that exists is complete."""
+    write_file(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
 
 
 def remove_partial_shards(folder: Path) -> int:

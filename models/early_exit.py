@@ -17,12 +17,10 @@ Generic over Llama/Qwen2/Mistral-like models: any causal LM whose decoder stack 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +28,7 @@ import torch
 
 from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
 from models.builtin import ModelLoadError, has_tokenizer, torch_dtype
+from models.quiet import quiet_transformers
 
 if TYPE_CHECKING:  # models.refs calls this module with its refs; importing it here would be a cycle
     from models.refs import EarlyExitRef
@@ -56,7 +55,7 @@ def build_early_exit_draft(source: str | Path, num_layers: int, out_dir: str | P
     total = config.num_hidden_layers
     cut = _truncated_config(config, num_layers)
     _check_layer_stack(cut, where)
-    with _quiet_transformers():  # the dropped layers are reported as unexpected keys: that is the point
+    with quiet_transformers():  # the dropped layers are reported as unexpected keys: that is the point
         model, info = AutoModelForCausalLM.from_pretrained(
             path, config=cut, dtype="auto" if dtype is None else torch_dtype(dtype), output_loading_info=True)
     _check_loaded(info, where)
@@ -158,15 +157,3 @@ def _check_loaded(info: dict, where: str) -> None:
     bad = sorted(map(str, [*(info.get("missing_keys") or ()), *(info.get("mismatched_keys") or ())]))
     if bad:
         raise ModelLoadError(f"{where}: the source's weights do not cover the cut model ({', '.join(bad[:3])})")
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    from transformers.utils import logging
-
-    before = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(before)

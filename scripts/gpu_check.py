@@ -28,7 +28,6 @@ import argparse
 import importlib
 import json
 import math
-import os
 import platform
 import shutil
 import sys
@@ -308,6 +307,7 @@ def run_section(name: str, results: dict, out: Path, progress: Progress, fn: Cal
 
 
 def write(out: Path, results: dict, progress: Progress) -> None:
+    from data.atomic import write_text  # deferred: after the package checks
     from gpu_check_report import format_report
 
     results["meta"]["wall_s"] = progress.elapsed()
@@ -316,9 +316,7 @@ def write(out: Path, results: dict, progress: Progress) -> None:
     results["meta"]["nonfinite"] = bad
     for name, text in ((JSON_NAME, json.dumps(results, indent=2, allow_nan=False) + "\n"),
                        (REPORT_NAME, format_report(results) + "\n")):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        write_text(out / name, text)
 
 
 def strict_json(value: Any, path: str, bad: list[str]) -> Any:

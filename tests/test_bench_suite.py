@@ -57,11 +57,13 @@ methods:
 @pytest.mark.parametrize("text, needle", [
     ("methods: {a: {args: --drafter prompt_lookup, colour: red}}", "methods.a.colour: unknown key"),
     ("methods: {}", "methods: expected a mapping"),
-    ("common: --base x\nextra: 1\nmethods: {a: --drafter prompt_lookup}", "unknown key 'extra'"),
+    ("common: --base x\nextra: 1\nmethods: {a: --drafter prompt_lookup}", ": extra: unknown key"),
+    ("baselines: [ar, hf]\nmethods: {a: --drafter prompt_lookup}", ": baselines: "),  # a section of the wrong shape
+    ("methods: {a: {args: --drafter prompt_lookup, categories: [null]}}", "methods.a.categories[0]: "),
     ("baselines: {run: [ar, hf_fast]}\nmethods: {a: --drafter prompt_lookup}", "baselines.run: distinct names"),
     ("methods: {a: {args: --drafter prompt_lookup, versus: [hf_pld]}}", "methods.a.versus: 'hf_pld' is not in"),
     ("methods: {ar: --drafter prompt_lookup}", "methods.ar: the name is a baseline's"),
-    ("methods: {a: {args: --drafter prompt_lookup, own_ar: maybe}}", "methods.a.own_ar: expected true or false"),
+    ("methods: {a: {args: --drafter prompt_lookup, own_ar: maybe}}", "methods.a.own_ar: Value 'maybe' is not a valid bool"),
     ("methods: [a, b", ":1: not valid YAML"),
 ])
 def test_plan_errors_name_the_file_and_key(tmp_path, text, needle):

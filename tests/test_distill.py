@@ -223,7 +223,7 @@ def test_frozen_early_exit_draft_shares_the_targets_embeddings(sharegpt_file, tm
 
 def test_shared_tensor_of_another_model_is_refused(tmp_path):
     """A checkpoint that takes its embeddings from its target refuses a target whose embeddings differ."""
-    from models.checkpoint import DrafterMismatchError, attach_shared, shared_with_target
+    from models.shared_tensors import DrafterMismatchError, attach_shared, shared_with_target
 
     target, other = build_tiny_lm("llama", seed=0), build_tiny_lm("llama", seed=1)
     draft = build_tiny_lm("llama", seed=2)

@@ -379,6 +379,6 @@ def test_an_unknown_experiment_is_one_line(tmp_path):
     from data.errors import UsageError
 
     register_configs()
-    with pytest.raises(UsageError, match=r"^unknown experiment 'nope'; available: sharegpt_eagle3, sharegpt_features, "
-                       r"sharegpt_medusa1"):
+    with pytest.raises(UsageError, match=r"^unknown experiment 'nope'; available: selfdistill_eagle3, selfdistill_features, "
+                       r"sharegpt_eagle3, sharegpt_features, sharegpt_medusa1"):
         check_overrides(["method=medusa1", "+model=tiny", "+experiment=nope", f"output_dir={tmp_path}"])

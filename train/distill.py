@@ -26,10 +26,11 @@ from transformers import AutoModelForCausalLM
 from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
-from inference.drafters.draft_model import check_vocab, check_vocab_files, quiet_missing_weights
+from inference.drafters.draft_model import check_vocab, check_vocab_files
 from models.backbone import padded_position_ids
 from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target
+from models.quiet import quiet_transformers
 from models.refs import model_settings
 from train.base import StepOutput
 from train.config import DistillDivergence
@@ -242,7 +243,7 @@ class Method:
 
     def load(self, model: DistillTrainModule, checkpoint_dir: Path) -> None:
         shared = shared_spec(checkpoint_dir)  # left out of the files: the draft keeps the target's own (frozen)
-        with quiet_missing_weights(bool(shared)):
+        with quiet_transformers(bool(shared)):
             saved = AutoModelForCausalLM.from_pretrained(str(draft_model_folder(checkpoint_dir)), dtype=model.draft.dtype)
         state = {k: v for k, v in saved.state_dict().items() if k not in shared}
         missing, unexpected = model.draft.load_state_dict(state, strict=False)

@@ -31,12 +31,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from data.chat import IGNORE_INDEX
+from data.atomic import write_json
+from data.chat import IGNORE_INDEX, encode_prompt, first_user_turn
 from data.collate import ChatCollator
 from data.datasets import build_datasets
 from data.errors import UsageError
 from data.features import (
-    MANIFEST, PROMPTS, STORAGE_DTYPES, FeatureCacheError, Manifest, remove_partial_shards, shard_name, write_json_atomic,
+    MANIFEST, PROMPTS, STORAGE_DTYPES, FeatureCacheError, Manifest, remove_partial_shards, shard_name,
     write_shard,
 )
 from models.backbone import padded_position_ids
@@ -217,8 +218,6 @@ def check_continuable(folder: Path, manifest: Manifest, counts: bool = True) -> 
 def self_distill_bound(cfg: DictConfig, tokenizer: Any) -> int:
     """Tokens the self-distilled train split can hold at most: each chosen conversation's first prompt plus
     data.self_distill_new_tokens, within data.max_length."""
-    from data.chat import encode_prompt, first_user_turn
-
     template = cfg.model.chat_template or cfg.data.chat_template
     total = 0
     for _, conversation in chosen_conversations(cfg):
@@ -321,7 +320,7 @@ class Method:
         if rank == 0:
             remove_partial_shards(folder)
             manifest.write(folder)
-            write_json_atomic(folder / PROMPTS, validation_prompts(cfg, tokenizer))
+            write_json(folder / PROMPTS, validation_prompts(cfg, tokenizer))
         stats = self.extract(cfg, target or self.load_target(cfg), folder, splits, todo, sum(p.tokens for p in mine),
                              manifest, tokenizer.pad_token_id)
         barrier(size)

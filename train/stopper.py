@@ -31,11 +31,12 @@ from torch import nn
 
 from data.errors import UsageError
 from inference.api import Engine
-from inference.drafters.draft_model import (DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model,
-                                            quiet_missing_weights)
+from inference.drafters.draft_model import DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model
 from inference.drafters.draft_stop import DraftStop, StopTrace
-from models.checkpoint import CONFIG_NAME, attach_shared, draft_model_folder, save_draft_model, shared_spec
+from models.checkpoint import CONFIG_NAME, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target, load_tokenizer
+from models.quiet import quiet_transformers
+from models.shared_tensors import attach_shared
 from models.stopper import FEATURES, StopperModel, stopper_entry
 from train.base import first_user_prompts
 from train.distill import draft_path
@@ -147,7 +148,7 @@ class Method:
         target = load_target(cfg.model.path, dtype=cfg.model.dtype, quantization=cfg.model.quantization,
                              double_quant=cfg.model.double_quant, revision=cfg.model.revision, **kwargs)
         shared = draft_shared(m.draft)
-        with quiet_missing_weights(bool(shared)):  # left out of the files on purpose: attached below
+        with quiet_transformers(bool(shared)):  # left out of the files on purpose: attached below
             draft = load_target(resolve_draft(m.draft), dtype=cfg.model.dtype, **kwargs).to(target.device)
         attach_shared(draft, target, shared, f"method.draft={m.draft}")
         check_vocab(draft, target)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -42,10 +41,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
+from data.atomic import write_text
 from data.errors import UsageError
 from data.extras import require
 from data.paths import check_writable_dir
@@ -92,12 +93,6 @@ def answer_record(a: Answer, model_id: str) -> dict[str, Any]:
     }
     return {"question_id": a.question_id, "category": a.category, "answer_id": uuid.uuid4().hex,
             "model_id": model_id, "choices": [choice], "tstamp": time.time()}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -215,8 +210,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                             **assisted_settings(hf.assistant)}
     for name in names:
         lines = "".join(json.dumps(answer_record(a, model_ids[name])) + "\n" for a in answers[name])
-        write_atomic(out_dir / f"{model_ids[name]}.jsonl", lines)
-    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_text(out_dir / f"{model_ids[name]}.jsonl", lines)
+    write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(format_table(summary))
     print(f"answers and summary.json written to {out_dir}")
     if args.plot:
@@ -270,70 +265,23 @@ def code_version() -> dict[str, Any]:
     return {"commit": commit or None, "dirty": None if commit is None or dirty is None else bool(dirty)}
 
 
-class ProgressLog:
-    """tqdm's `update` / `close` for logs: a line on `stream` when at least `interval` seconds passed since the
-    last one (and at the end), with the elapsed time and an estimate of the time left. `now` names the work in
-    progress; with `heartbeat`, a daemon thread prints a line naming it when an answer takes longer than `interval`
-    (one answer of a slow method can take minutes)."""
-
-    def __init__(self, total: int, desc: str, interval: float = PROGRESS_INTERVAL_S, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic, heartbeat: bool = False) -> None:
-        self.total, self.desc, self.interval, self.clock = total, desc, interval, clock
-        self.stream = stream if stream is not None else sys.stderr
-        self.done = 0
-        self.now = ""
-        self.start = self.last = clock()
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        if heartbeat:
-            threading.Thread(target=self._beat_forever, name=f"{desc}-progress", daemon=True).start()
-
-    def update(self, n: int = 1) -> None:
-        with self._lock:
-            self.done += n
-            now = self.clock()
-            if now - self.last >= self.interval or self.done == self.total:
-                self._print(now)
-
-    def beat(self) -> None:
-        """A line when none was printed for `interval` seconds (the heartbeat thread calls this)."""
-        with self._lock:
-            now = self.clock()
-            if now - self.last >= self.interval and self.done < self.total:
-                self._print(now)
-
-    def _print(self, now: float) -> None:
-        elapsed = now - self.start
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        doing = f"; now: {self.now}" if self.now and self.done < self.total else ""
-        print(f"{self.desc}: {self.done}/{self.total} answers, {elapsed:.0f} s elapsed, ETA {eta:.0f} s{doing}",
-              file=self.stream, flush=True)
-        self.last = now
-
-    def _beat_forever(self) -> None:
-        while not self._closed.wait(self.interval / 4):
-            self.beat()
-
-    def close(self) -> None:
-        self._closed.set()
-
-
-def progress_bar(total: int, desc: str) -> Any:
-    """tqdm on a terminal; on a log (stderr not a TTY) a plain line at least every PROGRESS_INTERVAL_S seconds,
-    answers finished or not. Callers may set `.now` (what is running) on either."""
+def progress_bar(total: int, desc: str, interval: float = PROGRESS_INTERVAL_S) -> tqdm:
+    """tqdm over `total` answers on stderr; name the work in progress with `set_postfix_str`. On a terminal, the
+    usual bar. On a log (stderr not a TTY), a line "<desc>: 3/5 answers, 00:12 elapsed, ETA 00:08, <work>" at most
+    every `interval` seconds from updates, and at least that often while one answer runs (one answer of a slow
+    method can take minutes): a daemon thread refreshes the bar until it is closed."""
     if sys.stderr.isatty():
-        from tqdm.auto import tqdm
-
         return tqdm(total=total, desc=desc, unit="answer", file=sys.stderr)
-    return ProgressLog(total, desc, heartbeat=True)
+    bar = tqdm(total=total, desc=desc, unit="answer", file=sys.stderr, mininterval=interval,
+               bar_format="{desc}: {n_fmt}/{total_fmt} {unit}s, {elapsed} elapsed, ETA {remaining}{postfix}")
+    threading.Thread(target=_heartbeat, args=(bar, interval), name=f"{desc}-progress", daemon=True).start()
+    return bar
 
 
-def set_now(progress: Any, text: str) -> None:
-    """Name the work in progress: the log's heartbeat line, or tqdm's postfix on a terminal."""
-    if isinstance(progress, ProgressLog):
-        progress.now = text
-    else:
-        progress.set_postfix_str(text, refresh=False)
+def _heartbeat(bar: tqdm, interval: float) -> None:
+    while not bar.disable:  # close() disables the bar
+        time.sleep(interval)
+        bar.refresh()  # a no-op once the bar is closed
 
 
 def warm_up(label: str, run: Callable[[], Any]) -> None:
@@ -362,7 +310,7 @@ def run_all(session: Any, runners: dict[str, Runner], questions: list[Question],
     progress = progress_bar(len(questions) * len(order), "bench")
     for qi, question in enumerate(questions):
         for name in order[qi % len(order):] + order[: qi % len(order)]:  # rotate who goes first
-            set_now(progress, f"{name} on question {question.question_id}")
+            progress.set_postfix_str(f"{name} on question {question.question_id}", refresh=False)
             answers[name].append(answer(runners[name], question, num_turns, encode, decode, args.max_new_tokens,
                                         args.seed + 1000 * qi))
             progress.update(1)

@@ -27,25 +27,49 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from data.atomic import write_text
 from data.errors import UsageError
 from inference.api import Engine
 from inference.bench.bandwidth import copy_bandwidth, weight_bytes
 from inference.bench.methods import BASELINES, EngineRunner, Runner, Sampling, build_runners
 from inference.bench.prompt_sets import Question, load_questions
 from inference.bench.run import (WARMUP_TOKENS, add_bench_args, answer, answer_record, check_bench_args, greedy_judge,
-                                 hf_options, progress_bar, run_config, set_now, warm_up, write_atomic)
+                                 hf_options, progress_bar, run_config, warm_up)
 from inference.bench.stats import Answer, bandwidth_floor, format_table, summarize
 from inference.engine.drafter import NoDrafter
 from inference.session import Parser, check_model_args, encode_messages, one_line, open_session
 
-METHOD_KEYS = {"args", "own_ar", "categories", "versus"}
-PLAN_KEYS = {"common", "baselines", "methods"}
+@dataclass
+class MethodEntry:
+    """The schema of one `methods.<name>` entry of a plan file (a bare string is its `args`)."""
+
+    args: list[str] = field(default_factory=list)
+    own_ar: bool = False
+    categories: list[str] = field(default_factory=list)
+    versus: list[str] = field(default_factory=lambda: ["ar", "hf"])
+
+
+@dataclass
+class BaselinesEntry:
+    run: list[str] = field(default_factory=lambda: ["ar", "hf"])
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PlanFile:
+    """The schema of a plan file (OmegaConf refuses unknown keys and wrong types)."""
+
+    common: list[str] = field(default_factory=list)
+    baselines: BaselinesEntry = field(default_factory=BaselinesEntry)
+    methods: dict[str, MethodEntry] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,26 +90,48 @@ class Plan:
     methods: tuple[MethodPlan, ...]
 
 
-def _args(value: Any, where: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return tuple(shlex.split(value))
-    if isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
-        return tuple(str(v) for v in value)
-    raise UsageError(f"{where}: expected a string of bench flags or a list of them")
+def _spelled_out(raw: dict[str, Any]) -> dict[str, Any]:
+    """The plan's short forms in the schema's types: a string of flags split as a shell would, a string of names as a
+    comma list, a method given as a string as its args; no flags, no categories or no baselines section (null) as
+    none."""
+
+    def flags(value: Any) -> Any:
+        return [] if value is None else shlex.split(value) if isinstance(value, str) else value
+
+    def names(value: Any) -> Any:
+        return [v for v in value.split(",") if v] if isinstance(value, str) else value
+
+    def entry(value: Any, short: dict[str, Any]) -> Any:
+        return {k: short[k](v) if k in short else v for k, v in value.items()} if isinstance(value, dict) else value
+
+    method = {"args": flags, "categories": lambda v: [] if v is None else names(v), "versus": names}
+    spelled = entry(raw, {"common": flags, "baselines": lambda v: entry({} if v is None else v,
+                                                                        {"run": names, "args": flags})})
+    if isinstance(spelled.get("methods"), dict):
+        spelled["methods"] = {name: entry({"args": e} if isinstance(e, str) else e, method)
+                              for name, e in spelled["methods"].items()}
+    return spelled
 
 
-def _names(value: Any, where: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [v for v in value.split(",") if v]
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise UsageError(f"{where}: expected a list of names")
-    return tuple(value)
+def _checked(path: Path, spelled: dict[str, Any]) -> PlanFile:
+    """The plan merged into the `PlanFile` schema; OmegaConf's refusal as one line: the file, the key, the reason.
+    Merged section by section: OmegaConf names no key when a whole section has the wrong shape."""
+    plan, section = OmegaConf.structured(PlanFile), ""
+    try:
+        for section, value in spelled.items():
+            plan = OmegaConf.merge(plan, {section: value})
+        return OmegaConf.to_object(plan)
+    except OmegaConfBaseException as e:
+        if isinstance(e, ConfigKeyError) and is_dataclass(e.object_type):
+            reason = f"unknown key (keys: {', '.join(f.name for f in fields(e.object_type))})"
+        else:
+            reason = str(e.msg).splitlines()[0]
+        raise UsageError(f"{path}: {e.full_key or section}: {reason}") from None
 
 
 def read_plan(path: str | Path) -> Plan:
-    """The plan file, every key checked; errors are one line naming the file and key."""
+    """The plan file, every key checked (types and keys by the `PlanFile` schema, the rest here); errors are one
+    line naming the file and key."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: plan file not found")
@@ -96,45 +142,25 @@ def read_plan(path: str | Path) -> Plan:
         line = f":{mark.line + 1}" if mark is not None else ""
         raise UsageError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(raw, dict):
-        raise UsageError(f"{path}: expected a mapping with keys {', '.join(sorted(PLAN_KEYS))}")
-    unknown = set(raw) - PLAN_KEYS
-    if unknown:
-        raise UsageError(f"{path}: unknown key {sorted(unknown)[0]!r} (keys: {', '.join(sorted(PLAN_KEYS))})")
-    base = raw.get("baselines") or {}
-    if not isinstance(base, dict) or set(base) - {"run", "args"}:
-        raise UsageError(f"{path}: baselines: expected a mapping with 'run' (names) and 'args' (bench flags)")
-    baselines = _names(base.get("run", ["ar", "hf"]), f"{path}: baselines.run")
-    bad = [b for b in baselines if b not in BASELINES]
-    if bad or len(set(baselines)) != len(baselines):
-        raise UsageError(f"{path}: baselines.run: distinct names from {', '.join(BASELINES)}, got {list(baselines)}")
-    methods_raw = raw.get("methods")
-    if not isinstance(methods_raw, dict) or not methods_raw:
+        raise UsageError(f"{path}: expected a mapping with keys {', '.join(f.name for f in fields(PlanFile))}")
+    plan = _checked(path, _spelled_out(raw))
+    baselines = plan.baselines.run
+    if any(b not in BASELINES for b in baselines) or len(set(baselines)) != len(baselines):
+        raise UsageError(f"{path}: baselines.run: distinct names from {', '.join(BASELINES)}, got {baselines}")
+    if not plan.methods:
         raise UsageError(f"{path}: methods: expected a mapping of method name -> {{args: ...}}")
     methods = []
-    for name, entry in methods_raw.items():
+    for name, entry in plan.methods.items():
         where = f"{path}: methods.{name}"
-        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+        if not name.replace("_", "").replace("-", "").isalnum():
             raise UsageError(f"{where}: a method name is letters, digits, '-' and '_'")
         if name in BASELINES:
             raise UsageError(f"{where}: the name is a baseline's; pick another")
-        if isinstance(entry, str):
-            entry = {"args": entry}
-        if not isinstance(entry, dict) or set(entry) - METHOD_KEYS:
-            extra = sorted(set(entry) - METHOD_KEYS)[0] if isinstance(entry, dict) else None
-            raise UsageError(f"{where}" + (f".{extra}: unknown key" if extra else ": expected a mapping")
-                             + f" (keys: {', '.join(sorted(METHOD_KEYS))})")
-        versus = _names(entry.get("versus", ["ar", "hf"]), f"{where}.versus")
-        own_ar = entry.get("own_ar", False)
-        if not isinstance(own_ar, bool):
-            raise UsageError(f"{where}.own_ar: expected true or false")
-        missing = [v for v in versus if v not in baselines and not (v == "ar" and own_ar)]
+        missing = [v for v in entry.versus if v not in baselines and not (v == "ar" and entry.own_ar)]
         if missing:
-            raise UsageError(f"{where}.versus: {missing[0]!r} is not in baselines.run {list(baselines)}")
-        methods.append(MethodPlan(name, _args(entry.get("args"), f"{where}.args"), own_ar,
-                                  _names(entry.get("categories", []), f"{where}.categories") if entry.get(
-                                      "categories") else (), versus))
-    return Plan(path, _args(raw.get("common"), f"{path}: common"), baselines,
-                _args(base.get("args"), f"{path}: baselines.args"), tuple(methods))
+            raise UsageError(f"{where}.versus: {missing[0]!r} is not in baselines.run {baselines}")
+        methods.append(MethodPlan(name, tuple(entry.args), entry.own_ar, tuple(entry.categories), tuple(entry.versus)))
+    return Plan(path, tuple(plan.common), tuple(baselines), tuple(plan.baselines.args), tuple(methods))
 
 
 def bench_namespace(plan: Plan, flags: Sequence[str], where: str) -> argparse.Namespace:
@@ -243,7 +269,7 @@ def run_questions(loaded: Loaded, questions: list[Question], args: argparse.Name
         entries = [e for e in loaded.entries if e.takes(q)]
         shift = qi % len(entries)
         for e in entries[shift:] + entries[:shift]:
-            set_now(progress, f"{e.label} on question {q.question_id}")
+            progress.set_postfix_str(f"{e.label} on question {q.question_id}", refresh=False)
             answers[e.label][qi] = answer(
                 e.runner, q, num_turns, lambda msgs, s=e.session: encode_messages(s, msgs),
                 lambda ids, s=e.session: s.tokenizer.decode(list(ids), skip_special_tokens=True),
@@ -345,15 +371,15 @@ def run_suite(plan: Plan, out: Path, limit: int | None = None) -> dict[str, Any]
         for label, rows in [(m.name, answers[m.name]), *((b, answers[b]) for b in plan.baselines),
                             *(((f"{m.name}.ar", answers[f"{m.name}.ar"]),) if m.own_ar else ())]:
             keep = [rows[i] for i in sorted(answers[m.name]) if i in rows]
-            write_atomic(folder / f"{label}.jsonl", "".join(json.dumps(answer_record(a, label)) + "\n" for a in keep))
-        write_atomic(folder / "summary.json", json.dumps(s, indent=2) + "\n")
+            write_text(folder / f"{label}.jsonl", "".join(json.dumps(answer_record(a, label)) + "\n" for a in keep))
+        write_text(folder / "summary.json", json.dumps(s, indent=2) + "\n")
         print(f"\n== {m.name}\n{format_table(s)}", flush=True)
     suite = {"plan": str(plan.path), "questions": base_args.questions, "prompt_sets": prompt_sets,
              "num_questions": len(questions), "wall_time_s": wall, "methods": summaries, "baselines": base_summary,
              "config": run_config(base_args, loaded.base, {b: b for b in plan.baselines})}
     table = suite_table(summaries, base_summary)
-    write_atomic(out / "suite.json", json.dumps(suite, indent=2) + "\n")
-    write_atomic(out / "table.md", table + "\n")
+    write_text(out / "suite.json", json.dumps(suite, indent=2) + "\n")
+    write_text(out / "table.md", table + "\n")
     print("\n" + table)
     print(f"\nper-method summaries, answers, suite.json and table.md written to {out}")
     return suite

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from data.atomic import write_text
 from data.chat import encode_chat, encode_text, first_user_turn
 from data.config import load_data_config
 from data.datasets import load_conversations
@@ -356,9 +356,7 @@ def run_build_tree(args: argparse.Namespace) -> int:
         "dtype": str(session.engine.model.dtype).removeprefix("torch."), "device": str(session.engine.device),
         "threads": torch.get_num_threads(),
     })
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in tree.items()) + "\n}\n")
-    os.replace(tmp, out)
+    write_text(out, "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in tree.items()) + "\n}\n")
     print(f"tree written to {out} (use: --tree {out})")
     return 0
 

@@ -12,10 +12,8 @@ step with acceptance: committed tokens the draft model has not yet read are "pen
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +27,11 @@ from inference.engine.cache import additive, keep_nodes, new_cache
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.engine.verify import VerifyResult, greedy_argmax, sample, target_probs
-from models.checkpoint import (CONFIG_NAME, DrafterMismatchError, attach_shared, draft_model_folder, read_drafter_config,
-                               shared_spec)
+from models.checkpoint import CONFIG_NAME, DrafterMismatchError, draft_model_folder, read_drafter_config, shared_spec
 from models.loading import DTYPES, has_tokenizer, load_target, model_config
+from models.quiet import quiet_transformers
 from models.refs import BuiltinRef, EarlyExitRef, LocalRef, ModelRef, locate, model_settings
+from models.shared_tensors import attach_shared
 from models.stopper import StopperModel, load_stopper, stop_features
 
 DEFAULT_GAMMA = 4
@@ -295,7 +294,7 @@ def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.d
     shared = {} if plain else shared_spec(folder)
     dtype = target.get_input_embeddings().weight.dtype
     name = next((k for k, v in DTYPES.items() if v == dtype), "fp32")
-    with quiet_missing_weights(bool(shared)):  # the shared tensors are missing from the files on purpose
+    with quiet_transformers(bool(shared)):  # the shared tensors are missing from the files on purpose
         draft = load_target(source, dtype=name).to(device)
     if plain and getattr(draft.config, "draftsmith_shared_with_target", None):
         raise DrafterMismatchError(f"{ref}: this draft model stores no {', '.join(draft.config.draftsmith_shared_with_target)}"
@@ -303,20 +302,6 @@ def load_draft_model(path: str | os.PathLike, target: nn.Module, device: torch.d
     attach_shared(draft, target, shared, str(ref))
     check_vocab(draft, target)
     return draft
-
-
-@contextlib.contextmanager
-def quiet_missing_weights(quiet: bool) -> Iterator[None]:
-    """transformers' "newly initialized" warning silenced while loading a draft whose shared tensors come later."""
-    from transformers.utils import logging
-
-    before = logging.get_verbosity()
-    if quiet:
-        logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(before)
 
 
 def build_draft_model_drafter(path: Path, model: nn.Module, tree: Any, topk: int, device: torch.device,
