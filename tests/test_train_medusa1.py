@@ -193,7 +193,7 @@ def test_self_distillation_trains_on_the_targets_own_greedy_answers(tiny_model_d
     again = train(tiny_model_dir, sharegpt_file, out, *overrides, "training.max_steps=4",
                   "training.resume_from_checkpoint=auto")
     assert_ok(again)
-    assert f"0 answers generated, {len(rows)} reused" in again.stdout + again.stderr
+    assert f"0 answers generated, {len(rows)} already in" in again.stdout + again.stderr
 
 
 def test_draft_vocabulary_trains_on_the_most_frequent_labels(tiny_model_dir, sharegpt_file, tmp_path):

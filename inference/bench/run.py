@@ -272,7 +272,7 @@ def progress_bar(total: int, desc: str, interval: float = PROGRESS_INTERVAL_S) -
     method can take minutes): a daemon thread refreshes the bar until it is closed."""
     if sys.stderr.isatty():
         return tqdm(total=total, desc=desc, unit="answer", file=sys.stderr)
-    bar = tqdm(total=total, desc=desc, unit="answer", file=sys.stderr, mininterval=interval,
+    bar = tqdm(total=total, desc=desc, unit="answer", file=sys.stderr, mininterval=interval, position=0,  # no cursor moves
                bar_format="{desc}: {n_fmt}/{total_fmt} {unit}s, {elapsed} elapsed, ETA {remaining}{postfix}")
     threading.Thread(target=_heartbeat, args=(bar, interval), name=f"{desc}-progress", daemon=True).start()
     return bar
