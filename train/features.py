@@ -215,12 +215,12 @@ def check_continuable(folder: Path, manifest: Manifest, counts: bool = True) -> 
     return old
 
 
-def self_distill_bound(cfg: DictConfig, tokenizer: Any) -> int:
+def self_distill_bound(cfg: DictConfig, tokenizer: Any, chosen: list[tuple[str, Any]]) -> int:
     """Tokens the self-distilled train split can hold at most: each chosen conversation's first prompt plus
     data.self_distill_new_tokens, within data.max_length."""
     template = cfg.model.chat_template or cfg.data.chat_template
     total = 0
-    for _, conversation in chosen_conversations(cfg):
+    for _, conversation in chosen:
         turn = first_user_turn(conversation)
         if turn is not None:
             prompt = len(encode_prompt(tokenizer, turn, chat_template=template))
@@ -277,14 +277,16 @@ class Method:
                             recipe=recipe(cfg, None), shards={})
             old = check_continuable(folder, head, counts=False)
             if old is not None and old.complete:
-                log.info("feature cache %s is complete (%s train tokens): nothing to do", folder, old.tokens.get("train"))
+                log.info("feature cache %s is complete (%s train tokens): nothing to do", folder,
+                         old.tokens.get("train"))
                 return {}
             folder.mkdir(parents=True, exist_ok=True)
-            check_disk(folder, self_distill_bound(cfg, tokenizer) * head.bytes_per_token())
+            chosen = chosen_conversations(cfg)  # read once: the disk bound and the answers use the same list
+            check_disk(folder, self_distill_bound(cfg, tokenizer, chosen) * head.bytes_per_token())
             if rank == 0 and old is None:
                 head.write(folder)  # the answers below belong to this run's data: a rerun with other data is refused
             target = self.load_target(cfg)
-            answer_share(cfg, target, tokenizer, folder, rank, size, barrier=lambda: barrier(size))
+            answer_share(cfg, target, tokenizer, chosen, folder, rank, size, barrier=lambda: barrier(size))
             barrier(size)
             datasets = with_distilled_train(cfg, tokenizer, folder / SELF_DISTILL_DIR, datasets)
         splits = {"train": datasets.train, "validation": datasets.validation}

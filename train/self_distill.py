@@ -97,18 +97,17 @@ def rank_file(folder: Path, rank: int) -> Path:
     return folder / SELF_DISTILL_DIR / f"rank{rank:03d}.jsonl"
 
 
-def answer_share(cfg: DictConfig, target: nn.Module, tokenizer: Any, folder: Path, rank: int, size: int,
-                 barrier: Callable[[], Any] = lambda: None) -> DistillStats:
-    """This rank's share of the chosen conversations, answered into its own file under folder/self_distill/. Ids
-    already answered in any file there (an earlier run, maybe under another world size) are skipped: every rank reads
-    them all, `barrier()` waits for the others to have read, then each rank answers every size-th conversation left."""
+def answer_share(cfg: DictConfig, target: nn.Module, tokenizer: Any, chosen: list[tuple[str, Conversation]],
+                 folder: Path, rank: int, size: int, barrier: Callable[[], Any] = lambda: None) -> DistillStats:
+    """This rank's share of `chosen` (chosen_conversations), answered into its own file under folder/self_distill/.
+    Ids already answered in any file there (an earlier run, maybe under another world size) are skipped: every rank
+    reads them all, `barrier()` waits for the others to have read, then each rank answers every size-th one left."""
     answers = folder / SELF_DISTILL_DIR
     answers.mkdir(parents=True, exist_ok=True)
     done: set[str] = set()
     for path in sorted(answers.glob("*.jsonl")):
         done |= written_ids(path)
     barrier()  # nobody appends before every rank has read the same ids
-    chosen = chosen_conversations(cfg)
     todo = [(i, c) for i, c in chosen if i not in done]
     desc = "self-distillation" if size == 1 else f"self-distillation (rank {rank})"
     return answer(target, tokenizer, todo[rank::size], rank_file(folder, rank), distill_config(cfg), desc=desc,
