@@ -10,7 +10,9 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
-from inference.drafters.eagle3 import Eagle3Drafter, default_tree, eagle3_tree, plan_levels
+from inference.drafters.eagle3 import (Candidates, DynamicTree, Eagle3Drafter, default_tree, eagle3_tree,
+                                       plan_levels)
+from inference.engine.drafter import DecodeState
 from inference.engine.cache import additive
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import TreeError, build_tree
@@ -167,6 +169,85 @@ def test_greedy_output_is_plain_greedy(tiny_lm, tree_name):
     assert close.stats.mean_accepted > 0.1, close.stats.accepted
     far = generate(tiny_lm, ids, Eagle3Drafter(random_draft(), tree, embed), config, attention_mask=mask)
     assert far.sequences == plain
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "dynamic:8:3:2", "dynamic:30:8:5", "dynamic:2:1:1"])
+def test_dynamic_tree_greedy_output_is_plain_greedy(tiny_lm, spec):
+    """EAGLE-2's dynamic tree, batched and left-padded, fp32: every row equals plain greedy decoding, for a close draft
+    (drafts accepted) and a random one."""
+    ids, mask = left_pad(repetitive_prompts(7, 3))
+    config = DecodeConfig(max_new_tokens=20)
+    plain = generate(tiny_lm, ids, None, config, attention_mask=mask).sequences
+    tree = eagle3_tree(spec, [], "cpu", draft_vocab=64)
+    embed = tiny_lm.get_input_embeddings()
+    close = generate(tiny_lm, ids, Eagle3Drafter(close_draft(tiny_lm), tree, embed), config, attention_mask=mask)
+    assert close.sequences == plain
+    assert close.stats.mean_accepted > 0.1, close.stats.accepted
+    far = generate(tiny_lm, ids, Eagle3Drafter(random_draft(), tree, embed), config, attention_mask=mask)
+    assert far.sequences == plain
+
+
+def first_draft(model: torch.nn.Module, tree, rows: int = 2, sharpness: float = 1.0):
+    """The first step's draft of a random EAGLE-3 draft (fp64; logits scaled by `sharpness`) over random features of
+    `rows` 6-token prompts."""
+    draft = random_draft(draft_vocab=64).double()
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(sharpness)
+    prompt = torch.tensor([p[:6] for p in repetitive_prompts(6, rows)])
+    features = torch.randn(rows, 6, draft.fc.in_features, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64)
+    state = DecodeState(cache=DynamicCache(), valid=torch.ones(rows, 6, dtype=torch.bool),
+                        next_pos=torch.full((rows,), 6), root=prompt[:, -1], hidden=None, prompt=prompt,
+                        generated=[[] for _ in range(rows)], features=features)
+    embed = torch.nn.Embedding.from_pretrained(model.get_input_embeddings().weight.detach().double())
+    return Eagle3Drafter(draft, tree, embed).propose(state)
+
+
+@pytest.mark.parametrize("spec", [DynamicTree(num_nodes=13, depth=2, topk=3), DynamicTree(num_nodes=12, depth=5, topk=3)])
+def test_dynamic_tree_drafts_what_the_static_tree_of_its_shape_drafts(spec):
+    """Two rows: the tokens of a grown tree equal those the static drafter (tested above for greedy identity) drafts
+    for the same rank paths, so growing changes the shape, never a node's token. At depth 2 with room for every
+    candidate, the tree holds all k + k*k of them."""
+    model = build_tiny_lm("llama")
+    grown = first_draft(model, spec, sharpness=4.0)
+    static = first_draft(model, build_tree(grown.tree.choices, num_heads=spec.depth, topk=spec.topk), sharpness=4.0)
+    assert grown.tree.num_nodes == spec.num_nodes
+    assert torch.equal(grown.tokens, static.tokens)
+    if spec.depth == 2:
+        every = [(r,) for r in range(3)] + [(r, c) for r in range(3) for c in range(3)]
+        assert sorted(grown.tree.choices) == sorted(every)
+    else:
+        assert grown.tree.max_depth > 2  # a confident draft's paths go deeper than a full tree of 12 nodes would
+
+
+def test_dynamic_tree_of_one_level_keeps_the_best_children_in_rank_order():
+    model = build_tiny_lm("llama")
+    assert first_draft(model, DynamicTree(num_nodes=4, depth=1, topk=5)).tree.choices == ((0,), (1,), (2,))
+
+
+def test_candidates_rank_by_batch_probability_with_parents_first():
+    """A path's value is its probability summed over the rows; ties go to the shallower path, so a child whose draft
+    probability is 1 never precedes its parent."""
+    found = Candidates(paths=[], parent=[], tokens=[], logp=[])
+    ids = torch.tensor([[5, 6], [7, 8]])
+    top = found.add(-1, ids, torch.log(torch.tensor([[0.6, 0.3], [0.2, 0.7]])))  # values 0.8, 1.0
+    assert found.best(top, 2) == [1, 0]
+    child = found.add(1, torch.tensor([[9], [9]]), found.logp[1][:, None] + 0.0)  # probability 1: ties its parent
+    assert found.best(top + child, 3) == [1, 2, 0]
+    assert found.paths == [(0,), (1,), (1, 0)]
+    assert found.values([2]) == pytest.approx([1.0])
+
+
+def test_dynamic_tree_specs_are_checked():
+    assert eagle3_tree("dynamic:12:5:3", [], "cpu", 64) == DynamicTree(num_nodes=12, depth=5, topk=3)
+    assert eagle3_tree("dynamic", [], "cpu", 64) == DynamicTree()
+    for spec, needle in [("dynamic:1", "nodes must lie in"), ("dynamic:16:17", "depth must lie in"),
+                         ("dynamic:16:4:11", r"topk must lie in \[1, 10\]"), ("dynamic:x", "whole numbers"),
+                         ("dynamic:", "whole numbers"), ("dynamic:1:2:3:4", "whole numbers")]:
+        with pytest.raises(TreeError, match=needle):
+            eagle3_tree(spec, [], "cpu", 64)
+    with pytest.raises(TreeError, match=r"topk must lie in \[1, 4\]"):
+        eagle3_tree("dynamic:16:4:5", [], "cpu", draft_vocab=4)
 
 
 def test_sampled_decoding_runs_batched():

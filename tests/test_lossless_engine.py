@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference.drafters.draft_model import DraftModelDrafter
-from inference.drafters.eagle3 import Eagle3Drafter
+from inference.drafters.eagle3 import DynamicTree, Eagle3Drafter
 from inference.drafters.jacobi import JacobiDrafter, JacobiOptions
 from inference.drafters.lookahead import LookaheadDrafter
 from inference.drafters.medusa import MedusaDrafter
@@ -74,10 +74,13 @@ def drafter_kinds(model: torch.nn.Module) -> dict[str, Drafter]:
         "lookahead": LookaheadDrafter(draft_nodes=6, branch_length=3, max_prefix=3),
         "jacobi": JacobiDrafter(JacobiOptions(block_size=4, init="repeat")),
         "eagle3": Eagle3Drafter(close_draft(model), tree, model.get_input_embeddings()),
+        "eagle3-dynamic": Eagle3Drafter(close_draft(model), DynamicTree(num_nodes=10, depth=4, topk=3),
+                                        model.get_input_embeddings()),
     }
 
 
-KINDS = ["medusa", "draft-model-chain", "draft-model-branches", "prompt-lookup", "lookahead", "jacobi", "eagle3"]
+KINDS = ["medusa", "draft-model-chain", "draft-model-branches", "prompt-lookup", "lookahead", "jacobi", "eagle3",
+         "eagle3-dynamic"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,5 +1,7 @@
-"""The EAGLE-3 drafter: a one-layer draft model over the target's fused features (models/eagle3.py) drafting a static
-tree autoregressively in feature space; the target verifies it like any other tree.
+"""The EAGLE-3 drafter: a one-layer draft model over the target's fused features (models/eagle3.py) drafting a tree
+autoregressively in feature space; the target verifies it like any other tree. The tree is either static (fixed rank
+paths, by default the ones the checkpoint's measured acceptance favours) or dynamic (EAGLE-2: grown each step from the
+draft's own confidence, `DynamicTree`).
 
 Dimension letters: B batch, K tree nodes, P pending pairs, Q queries of one tree level, S draft-cache slots,
 F = L*D fused target features, D hidden, R candidates per expanded node.
@@ -13,6 +15,7 @@ Per step:
 2. The tree, level by level: each node with children is a query whose hidden input is its parent's output and whose
    token is its own; its children are its top-R draft tokens by rank, as the tree's rank paths say. Each level is one
    draft forward with tree attention (committed slots, the node's ancestors among this step's draft slots, itself).
+   A dynamic tree chooses each level's queries as it goes (`grow_dynamic`) and keeps the most probable paths.
 3. After verification, this step's draft slots are dropped (`update`): the accepted tokens come back as pending pairs
    with the target's true features, as EAGLE does.
 Rows accepting different counts leave holes (invalid slots), as in inference.engine.cache. The drafts are deterministic
@@ -38,6 +41,66 @@ MAX_DEPTH = 16  # deepest tree an EAGLE-3 drafter drafts
 MAX_RANK = 10  # candidates per node a tree may use (ranks 0..9)
 DEFAULT_NODES = 15  # non-root nodes of the default tree (16 with the root)
 DEFAULT_CHAIN = 4  # depth of the fallback chain when a checkpoint records no acceptance table
+DYNAMIC_SPEC = "dynamic[:<nodes>[:<depth>[:<topk>]]]"
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic draft tree (Li et al., 2024). Each step, from the root: expand the `topk` most probable
+    nodes of the newest level (one draft forward), giving each its `topk` best draft tokens, for `depth` levels; then
+    keep the `num_nodes` - 1 candidates of highest path probability (the product of draft probabilities from the root)
+    as the tree the target verifies. A child is never more probable than its parent, so the kept set is a tree.
+    In a batch the rows share one shape: a rank path's value is its probability summed over the rows (the expected
+    accepted tokens of the batch), which is EAGLE-2's rule for one row. Any deterministic tree keeps verification
+    lossless, so the shape may follow the draft."""
+
+    num_nodes: int = DEFAULT_NODES + 1  # verified tokens per row, the root included
+    depth: int = 6  # deepest level drafted
+    topk: int = 4  # nodes expanded per level and candidates per expanded node
+
+    @classmethod
+    def parse(cls, spec: str, draft_vocab: int) -> DynamicTree:
+        """`dynamic`, `dynamic:<nodes>`, `dynamic:<nodes>:<depth>` or `dynamic:<nodes>:<depth>:<topk>`."""
+        fields = spec.split(":")[1:]
+        if len(fields) > 3 or not all(f.isdigit() for f in fields):
+            raise TreeError(f"tree {spec!r}: expected {DYNAMIC_SPEC} with whole numbers")
+        tree = cls(*map(int, fields))
+        limits = {"nodes": (tree.num_nodes, 2, 256), "depth": (tree.depth, 1, MAX_DEPTH),
+                  "topk": (tree.topk, 1, min(MAX_RANK, draft_vocab))}
+        for name, (value, low, high) in limits.items():
+            if not low <= value <= high:
+                raise TreeError(f"tree {spec!r}: {name} must lie in [{low}, {high}], got {value}")
+        return tree
+
+
+@dataclass
+class Candidates:
+    """The nodes a dynamic tree may keep, in creation order (index i). Shared shape, per-row tokens and scores."""
+
+    paths: list[tuple[int, ...]]  # rank path from the root
+    parent: list[int]  # index of the parent candidate; -1 for the root's children
+    tokens: list[torch.Tensor]  # [B] target token ids, one tensor per candidate
+    logp: list[torch.Tensor]  # [B] log probability of the path under the draft (float32)
+
+    def add(self, parent: int, tokens: torch.Tensor, logp: torch.Tensor) -> list[int]:
+        """Children of `parent` (-1: the root) in rank order from [B, R] tokens and path log-probs; -> their indices."""
+        first = len(self.paths)
+        base = self.paths[parent] if parent >= 0 else ()
+        for r in range(tokens.shape[1]):
+            self.paths.append(base + (r,))
+            self.parent.append(parent)
+            self.tokens.append(tokens[:, r])
+            self.logp.append(logp[:, r])
+        return list(range(first, len(self.paths)))
+
+    def values(self, indices: list[int]) -> list[float]:
+        """Each candidate's path probability summed over the rows."""
+        return torch.stack([self.logp[i] for i in indices]).exp().sum(-1).tolist()
+
+    def best(self, indices: list[int], n: int) -> list[int]:
+        """The `n` most valuable of `indices`, ties to the shallower then the older: parents before children."""
+        order = sorted(zip(self.values(indices), indices), key=lambda vi: (-vi[0], len(self.paths[vi[1]]), vi[1]))
+        return [i for _, i in order[:n]]
 
 
 @dataclass(frozen=True)
@@ -102,11 +165,14 @@ def default_tree(acceptance: list[list[float]], num_nodes: int = DEFAULT_NODES) 
     return greedy_tree_choices(table, num_nodes)
 
 
-def eagle3_tree(spec: object, acceptance: list[list[float]], device: torch.device | str) -> TreeBuffers:
-    """None / "default": `default_tree`; otherwise any `load_tree` spec (a JSON file, "chain:<n>", a choice list),
-    ranks < MAX_RANK and depth <= MAX_DEPTH."""
+def eagle3_tree(spec: object, acceptance: list[list[float]], device: torch.device | str,
+                draft_vocab: int = MAX_RANK) -> TreeBuffers | DynamicTree:
+    """None / "default": `default_tree`; "dynamic[:...]": a `DynamicTree`; otherwise any `load_tree` spec (a JSON
+    file, "chain:<n>", a choice list), ranks < MAX_RANK and depth <= MAX_DEPTH."""
     if spec is None or spec == "default":
         return build_tree(default_tree(acceptance), MAX_DEPTH, MAX_RANK, device, source="eagle3 default tree")
+    if isinstance(spec, str) and (spec == "dynamic" or spec.startswith("dynamic:")):
+        return DynamicTree.parse(spec, draft_vocab)
     if spec == "chain":
         raise TreeError("tree 'chain': an EAGLE-3 drafter has no fixed head count; say 'chain:<depth>'")
     return load_tree(spec, num_heads=MAX_DEPTH, topk=MAX_RANK, device=device)
@@ -133,21 +199,26 @@ class DraftRun:
 
 
 class Eagle3Drafter:
-    """Drafts `tree` with an Eagle3Draft; `embed` is the target's input embedding (the draft's token inputs)."""
+    """Drafts `tree` (static buffers or a DynamicTree) with an Eagle3Draft; `embed` is the target's input embedding
+    (the draft's token inputs)."""
 
     needs_hidden = False
 
-    def __init__(self, draft: Eagle3Draft, tree: TreeBuffers, embed: nn.Module) -> None:
-        if tree.max_depth > MAX_DEPTH or tree.topk > min(MAX_RANK, draft.config.draft_vocab_size):
-            raise TreeError(f"an EAGLE-3 tree may be {MAX_DEPTH} deep with ranks below "
-                            f"{min(MAX_RANK, draft.config.draft_vocab_size)}; this one is {tree.max_depth} deep, "
-                            f"rank {tree.topk - 1}")
+    def __init__(self, draft: Eagle3Draft, tree: TreeBuffers | DynamicTree, embed: nn.Module) -> None:
+        ranks = min(MAX_RANK, draft.config.draft_vocab_size)
+        if isinstance(tree, DynamicTree):
+            if tree.depth > MAX_DEPTH or tree.topk > ranks:
+                raise TreeError(f"an EAGLE-3 dynamic tree may be {MAX_DEPTH} deep with topk <= {ranks}; "
+                                f"this one is {tree.depth} deep, topk {tree.topk}")
+        elif tree.max_depth > MAX_DEPTH or tree.topk > ranks:
+            raise TreeError(f"an EAGLE-3 tree may be {MAX_DEPTH} deep with ranks below {ranks}; this one is "
+                            f"{tree.max_depth} deep, rank {tree.topk - 1}")
         self.draft = draft
         self.tree = tree
         self.embed = embed
         self.feature_layers = tuple(draft.config.layers)
-        self.levels = plan_levels(tree)
-        self.vocab = draft.vocab_ids.to(tree.depth.device)  # [S] draft id -> target id
+        self.levels = [] if isinstance(tree, DynamicTree) else plan_levels(tree)
+        self.vocab = draft.vocab_ids.to(draft.fc.weight.device)  # [S] draft id -> target id
 
     def propose(self, state: DecodeState) -> Draft:
         if state.features is None:
@@ -159,9 +230,11 @@ class Eagle3Drafter:
         out = self._feed(run, run.pending)  # [B, P, D]
         last = run.pending.valid.long().cumsum(-1).argmax(-1)  # [B] each row's last valid pair
         outputs = out[rows, last][:, None]  # [B, 1, D]: level 0's one query, the root
+        run.drafted = 0
+        if isinstance(self.tree, DynamicTree):
+            return self.grow_dynamic(state, run, outputs)
         tokens = state.root.new_zeros(b, self.tree.num_nodes)
         tokens[:, 0] = state.root
-        run.drafted = 0
         for d, level in enumerate(self.levels):
             if d > 0:
                 hidden = outputs[:, level.parent_query]  # [B, Q, D] each query's parent's output
@@ -171,6 +244,49 @@ class Eagle3Drafter:
             picked = top[:, level.child_query, level.child_rank]  # [B, C]
             tokens[:, level.children] = self.vocab[picked]
         return Draft(tree=self.tree, tokens=tokens)
+
+    def grow_dynamic(self, state: DecodeState, run: DraftRun, root: torch.Tensor) -> Draft:
+        """EAGLE-2's tree from the root's draft output `root` [B, 1, D]: expand the best `topk` of the newest level
+        for `depth` levels, then keep the best `num_nodes` - 1 candidates (`DynamicTree`)."""
+        spec: DynamicTree = self.tree
+        b = root.shape[0]
+        top = self._top(root, spec.topk)  # ([B, 1, R] log-probs, [B, 1, R] target ids)
+        found = Candidates(paths=[], parent=[], tokens=[], logp=[])
+        newest = found.add(-1, top[1][:, 0], top[0][:, 0])
+        slot: dict[int, int] = {}  # expanded candidate -> its draft slot this step
+        outputs = root
+        query_of: dict[int, int] = {i: 0 for i in newest}  # candidate -> index of its parent among the last queries
+        for d in range(1, spec.depth):
+            queries = found.best(newest, spec.topk)
+            width = len(slot)
+            visible = torch.zeros(len(queries), width + len(queries), dtype=torch.bool)
+            for q, node in enumerate(queries):
+                visible[q, width + q] = True
+                ancestor = found.parent[node]
+                while ancestor >= 0:
+                    visible[q, slot[ancestor]] = True
+                    ancestor = found.parent[ancestor]
+            slot.update({node: width + q for q, node in enumerate(queries)})
+            hidden = outputs[:, [query_of[n] for n in queries]]  # [B, Q, D] each query's parent's output
+            tokens = torch.stack([found.tokens[n] for n in queries], dim=1)  # [B, Q]
+            positions = (state.next_pos + d - 1)[:, None].expand(b, len(queries))
+            outputs = self._level(run, hidden, tokens, positions, visible.to(root.device))
+            logp, ids = self._top(outputs, spec.topk)  # [B, Q, R]
+            newest, query_of = [], {}
+            for q, node in enumerate(queries):
+                children = found.add(node, ids[:, q], found.logp[node][:, None] + logp[:, q])
+                newest += children
+                query_of.update({c: q for c in children})
+        kept = found.best(list(range(len(found.paths))), spec.num_nodes - 1)
+        tree = build_tree([found.paths[i] for i in kept], MAX_DEPTH, MAX_RANK, root.device, source="eagle3 dynamic")
+        index = {found.paths[i]: i for i in kept}
+        drafted = [found.tokens[index[path]] for path in tree.choices]  # node order
+        return Draft(tree=tree, tokens=torch.stack([state.root.to(root.device), *drafted], dim=1))
+
+    def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best draft tokens of each output [B, Q, D]: (log-probabilities [B, Q, k] float32, target ids)."""
+        logp, ids = torch.log_softmax(self.draft.logits(outputs).float(), dim=-1).topk(k, dim=-1)
+        return logp, self.vocab[ids]
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         """Drop this step's draft slots; the accepted path (root .. deepest accepted node) with the target's own

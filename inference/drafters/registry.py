@@ -161,12 +161,13 @@ def _draft_model(request: DrafterRequest, model: torch.nn.Module, options: LoadO
 
 def _eagle3(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
     """An EAGLE-3 draft in the target's dtype beside its input embeddings; `tree` defaults to the tree its measured
-    per-depth acceptance favours (inference.drafters.eagle3.default_tree)."""
+    per-depth acceptance favours (inference.drafters.eagle3.default_tree); "dynamic[:...]" grows EAGLE-2's tree."""
     embed = model.get_input_embeddings()
     draft = load_eagle3(request.path, device=embed.weight.device, dtype=embed.weight.dtype,
                         target_vocab_size=model.config.get_text_config().vocab_size)
     check_compatible(request.config, model.config.get_text_config())
-    return Eagle3Drafter(draft, eagle3_tree(options.tree, draft.config.acceptance, device), embed)
+    tree = eagle3_tree(options.tree, draft.config.acceptance, device, draft.config.draft_vocab_size)
+    return Eagle3Drafter(draft, tree, embed)
 
 
 def _cllm(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
