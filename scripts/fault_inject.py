@@ -8,7 +8,7 @@ one CPU thread per run so the uninterrupted and the resumed runs do the same flo
 Kill moments alternate between
     random   a random moment inside a random step still to come (forward, optimizer, logging or saving), and
     save     once a checkpoint is being written (an atomic-write temporary folder exists, or a checkpoint-N folder
-             has no complete trainer_state.json yet, see train.base.checkpoint_problem): at once, or up to 0.1 s
+             has no complete trainer_state.json yet, see train.resume.checkpoint_problem): at once, or up to 0.1 s
              later (while Trainer writes the optimizer, scheduler, RNG and trainer state).
 Prints one line per launch (what was killed, what the disk held, which checkpoint the next launch resumed from) and
 a report: kills, resumes, torn checkpoints seen, max |Δ| between the final heads. Exit code 0 iff bit-identical.
@@ -85,7 +85,7 @@ def environment() -> dict[str, str]:
 
 def checkpoints(out: Path) -> dict[str, str | None]:
     """checkpoint-N -> why it is torn (None: complete), in step order."""
-    from train.base import checkpoint_problem  # deferred: heavy; main() imports it before any timing
+    from train.resume import checkpoint_problem  # deferred: heavy; main() imports it before any timing
 
     found = [p for p in (out / "checkpoints").glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
     return {p.name: checkpoint_problem(p) for p in sorted(found, key=lambda p: int(p.name.split("-")[1]))}
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     model, data = prepare(work, args.seed)
-    import train.base  # noqa: F401  # deferred: heavy; imported now so that it does not delay a launch's kill
+    import train.task  # noqa: F401  # deferred: heavy; imported now so that it does not delay a launch's kill
     reference, faulty = work / "reference", work / "faulty"
     cmd = command(model, data, reference, args, resume=False)
     startup, train_seconds = timed_reference(cmd, work / "reference.log", args.steps)

@@ -36,7 +36,7 @@ from models.loading import ModelLoadError, load_target, load_tokenizer
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import DataCfg, tiny_tokenizer
 from tests.model_support import save_tiny_model, tiny_config
-from train.base import resolve_resume
+from train.resume import resolve_resume
 from train.cli import UsageError, parse, user_errors
 from train.config import register_configs
 
@@ -114,7 +114,7 @@ def two_head_run(out: Path, *overrides: str) -> Path:
 def resume_with_other_heads(ws: Workspace):
     """A run resumed (training.resume_from_checkpoint=auto) into an output_dir whose checkpoint has 2 heads, with
     method.num_heads=3: refused from the checkpoint's config.json, before any model loads."""
-    from train.base import check_resume
+    from train.resume import check_resume
 
     out = two_head_run(ws.tmp / "run")
     cfg = composed("medusa1", "method.num_heads=3", f"output_dir={out}", "training.resume_from_checkpoint=auto")
@@ -516,7 +516,7 @@ def test_storage_oserror_from_the_run_is_one_line(monkeypatch, capsys):
     def full_disk(cfg):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/checkpoints/checkpoint-4/trainer_state.json")
 
-    monkeypatch.setattr("train.base.run", full_disk)
+    monkeypatch.setattr("train.task.run", full_disk)
     with pytest.raises(SystemExit) as exit_info:
         run_task(None)
     assert exit_info.value.code == 1
@@ -526,7 +526,7 @@ def test_storage_oserror_from_the_run_is_one_line(monkeypatch, capsys):
     def bug(cfg):
         raise OSError(errno.EBADF, os.strerror(errno.EBADF))  # not the storage: a program error keeps its traceback
 
-    monkeypatch.setattr("train.base.run", bug)
+    monkeypatch.setattr("train.task.run", bug)
     with pytest.raises(OSError):
         run_task(None)
 
@@ -536,7 +536,7 @@ def test_disk_full_during_a_training_run(tmp_path, monkeypatch, capsys):
     no checkpoint that resume=auto would pick up."""
     from hydra import compose, initialize_config_module
 
-    from train.base import checkpoint_problem
+    from train.resume import checkpoint_problem
     from train.cli import run_task
 
     model = save_tiny_model(tmp_path / "model")

@@ -172,7 +172,7 @@ def test_in_range_edges_and_the_epochs_sentinel_pass():
 
 def test_a_multirun_job_checks_its_own_values(tmp_path, monkeypatch):
     """`-m method.decay=0.8,-1` skips the check before Hydra: each job's run() refuses its own bad value."""
-    from train.base import run
+    from train.task import run
 
     cfg = composed("method=medusa1", "+model=tiny", "method.decay=-1", f"output_dir={tmp_path / 'out'}")
     with pytest.raises(UsageError, match=r"^method.decay=-1.0: must be in \(0, 1\]$"):

@@ -188,7 +188,8 @@ def test_frozen_early_exit_draft_shares_the_targets_embeddings(sharegpt_file, tm
     from safetensors import safe_open
 
     from inference.api import load
-    from inference.drafters.draft_model import DraftModelDrafter, load_draft_model
+    from inference.drafters.draft_model import DraftModelDrafter
+    from models.draft_model import load_draft_model
     from models.checkpoint import DrafterMismatchError
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from inference.api import load
-from inference.drafters.draft_model import DraftModelDrafter, check_vocab
+from inference.drafters.draft_model import DraftModelDrafter
+from models.draft_model import check_vocab
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import build_tree, chain_choices

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from inference.api import load
 from inference.cli import main
-from inference.drafters.draft_model import DraftModelDrafter, is_plain_model
+from inference.drafters.draft_model import DraftModelDrafter
+from models.draft_model import is_plain_model
 from inference.engine.loop import DecodeConfig, generate
 from models import early_exit
 from models.early_exit import build_early_exit_draft, ensure_early_exit

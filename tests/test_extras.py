@@ -80,7 +80,7 @@ def test_training_settings_check_their_extra(monkeypatch, override, module, extr
 
 def test_core_settings_need_no_extra(monkeypatch, caplog):
     """The default logger is wandb: on a core install a run that did not ask for it logs to the console instead."""
-    from train.base import configure_logger
+    from train.logger import configure_logger
 
     hide(monkeypatch, *EXTRA_OF)
     cfg = composed("method=medusa1", "+model=tiny")

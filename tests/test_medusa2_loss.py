@@ -136,7 +136,7 @@ def test_teacher_with_adapters_disabled_equals_original():
 
 
 def test_optimizer_groups_and_multiplier(tmp_path):
-    from train.base import DraftTrainer, LossModule
+    from train.trainer import DraftTrainer, LossModule
     from train.medusa2 import Method
 
     cfg = medusa2_config("method.heads_lr_multiplier=4", "training.weight_decay=0.1", "method.lora_r=4")

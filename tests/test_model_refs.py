@@ -203,7 +203,7 @@ def test_a_drafter_naming_an_unknown_builtin_is_refused_before_loading():
 def test_a_draft_model_named_by_a_cached_hub_id_loads_without_resolve(hub):
     """bench's --assistant reaches load_draft_model directly. Before: a hub id there was taken for a checkpoint
     folder and refused; now it is located like every hub id."""
-    from inference.drafters.draft_model import load_draft_model
+    from models.draft_model import load_draft_model
     from tests.conftest import build_tiny_lm
 
     _snapshot(hub, "org/assistant")

@@ -197,7 +197,7 @@ def test_full_fine_tuning_kl_teacher_is_a_frozen_copy(setup, single_thread):
 def test_own_data_methods_are_the_provides_data_ones():
     import importlib
 
-    from train.base import ProvidesData
+    from train.method import ProvidesData
     from train.checks import OWN_DATA_METHODS
 
     methods = [p.stem for p in (Path(__file__).parents[1] / "conf" / "method").glob("*.yaml")]

@@ -232,7 +232,7 @@ def test_time_budget_stops_after_the_step_that_crosses_it():
 
     from transformers import TrainerControl
 
-    from train.base import TimeBudget
+    from train.trainer import TimeBudget
 
     now = [100.0]
     budget = TimeBudget(1.0, clock=lambda: now[0])
@@ -251,7 +251,7 @@ def test_trim_heap_calls_malloc_trim_after_each_step():
 
     from transformers import TrainerControl
 
-    from train.base import TrimHeap, glibc
+    from train.trainer import TrimHeap, glibc
 
     calls = []
     trim = TrimHeap(SimpleNamespace(malloc_trim=calls.append))

@@ -11,7 +11,7 @@ import inspect
 import pytest
 from transformers import Trainer
 
-from train.base import DraftTrainer
+from train.trainer import DraftTrainer
 from train.trainer_hooks import PRIVATE_HOOKS, ResumeHooks, check_private_hooks, private_hook_mismatch
 
 

@@ -1,6 +1,6 @@
 """Settings whose type is right but whose value is not: a numeric range (train.config.RANGES), a
 self-distillation setup that cannot work, an output folder that cannot be written. Each fails in one line naming
-the key, before Hydra starts (train.cli) and again in each job of a multirun (train.base), not deep in the run."""
+the key, before Hydra starts (train.cli) and again in each job of a multirun (train.task), not deep in the run."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def check_values(cfg: DictConfig, asked: Sequence[str] = ()) -> None:
 def check_extras(cfg: DictConfig, asked: Sequence[str] = ()) -> None:
     """The optional packages the settings ask for (data.extras): one line naming the key and the extra to install.
     The default logger (wandb) is the exception: without wandb, a run not asking for it on the command line logs to
-    the console (train.base.configure_logger says so in one line)."""
+    the console (train.logger.configure_logger says so in one line)."""
     if OmegaConf.select(cfg, "model.quantization") == "nf4":
         require("bitsandbytes", "model.quantization=nf4")
     if OmegaConf.select(cfg, "deepspeed.config") is not None:
@@ -40,7 +40,7 @@ def check_extras(cfg: DictConfig, asked: Sequence[str] = ()) -> None:
         require("wandb", "logger=wandb")
 
 
-# Methods that train on their own samples (train.base.ProvidesData: cllm's Jacobi trajectories), so `data`'s
+# Methods that train on their own samples (train.method.ProvidesData: cllm's Jacobi trajectories), so `data`'s
 # self-distillation never runs for them. Named here, not found by importing the methods: these checks run before
 # Hydra prints a config and must not import the Trainer; tests/test_train_cllm.py checks the list against the classes.
 OWN_DATA_METHODS = frozenset({"cllm"})

@@ -201,17 +201,17 @@ def hydra_flag_parser() -> argparse.ArgumentParser:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by input (data, paths, checkpoints, settings: all UsageErrors) and a diverging loss: reported
     as one line, exit code 1."""
-    from train.base import NonFiniteLossError  # deferred: train.base pulls in transformers' Trainer (seconds)
+    from train.trainer import NonFiniteLossError  # deferred: train.trainer pulls in transformers' Trainer (seconds)
 
     return (UsageError, NonFiniteLossError, PermissionError, FileNotFoundError, IsADirectoryError)
 
 
 def run_task(cfg) -> None:
     """Hydra task: train, turning input errors into one line on stderr and exit code 1."""
-    from train import base  # deferred: transformers' Trainer (seconds), not needed to reject a bad command line
+    from train import task  # deferred: transformers' Trainer (seconds), not needed to reject a bad command line
 
     try:
-        base.run(cfg)
+        task.run(cfg)
     except user_errors() as e:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)  # the newline ends a progress bar's line
         raise SystemExit(1) from None

@@ -43,7 +43,7 @@ from inference.engine.loop import DecodeConfig, generate
 from models.backbone import final_hidden
 from models.checkpoint import CheckpointError, backbone_folder, save_model_drafter
 from models.loading import load_target
-from train.base import StepOutput
+from train.method import StepOutput
 from train.config import CllmDivergence
 from train.medusa2_backbone import (
     BackboneOptions, backbone_writer, is_lora, load_backbone_weights, original_model, prepare_backbone)
@@ -262,7 +262,7 @@ class Method:
 
     def datasets(self, tokenizer: Any) -> SplitTrajectories:
         """Trajectory records split like chat data: data.validation_fraction of them by a seeded hash of the index.
-        Every record is checked first, its token ids against the tokenizer's vocabulary (train.base runs this
+        Every record is checked first, its token ids against the tokenizer's vocabulary (train.task runs this
         before the target loads)."""
         records = read_records(self.m.trajectories, vocab_size=len(tokenizer))
         if not records:

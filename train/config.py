@@ -336,7 +336,7 @@ RANGES: dict[type, dict[str, Range]] = {
 
 
 # The keys that fix what a trainer checkpoint of each method holds (module shapes, which modules): resuming one
-# needs the same values (train.base.check_resume), and the same base model.
+# needs the same values (train.resume.check_resume), and the same base model.
 _LORA_KEYS = ("method.backbone", "method.lora_r", "method.lora_target_modules")
 _HEAD_KEYS = ("method.num_heads", "method.num_layers", "method.share_lm_head", "method.draft_vocab")
 RESUME_KEYS: dict[str, tuple[str, ...]] = {

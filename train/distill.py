@@ -26,13 +26,13 @@ from transformers import AutoModelForCausalLM
 from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
-from inference.drafters.draft_model import check_vocab, check_vocab_files
+from models.draft_model import check_vocab, check_vocab_files
 from models.backbone import padded_position_ids
 from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target
 from models.quiet import quiet_transformers
 from models.refs import model_settings
-from train.base import StepOutput
+from train.method import StepOutput
 from train.config import DistillDivergence
 
 DIVERGENCES = tuple(DistillDivergence)
@@ -156,7 +156,7 @@ class Method:
 
     def check_inputs(self, tokenizer: Any) -> None:
         """The draft shares the target's vocabulary and tokenizer: from their files, before any model loads or any
-        data is generated (train.base.ChecksInputs)."""
+        data is generated (train.method.ChecksInputs)."""
         check_vocab_files(draft_path(self.m.draft), self.cfg.model.path, tokenizer, f"method.draft={self.m.draft}",
                           self.cfg.model.trust_remote_code)
 

@@ -2,7 +2,7 @@
 
 A launcher (torchrun, the `deepspeed` launcher, srun via scripts/) starts one process per device and sets RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; HF Trainer joins the process group from them. Every process
-runs the whole of `train.base.run`; only the main process (RANK 0) writes checkpoints and prints the report.
+runs the whole of `train.task.run`; only the main process (RANK 0) writes checkpoints and prints the report.
 
 Under ZeRO-3 each process keeps a 1/world slice of every parameter, frozen target included: outside a forward a
 partitioned parameter has shape [0] and its real shape in `ds_shape`. Code that reads weights (the heads' init from

@@ -43,7 +43,7 @@ from data.features import (
 from models.backbone import padded_position_ids
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import load_target, load_tokenizer, model_config
-from train.base import first_user_prompts
+from train.prompts import first_user_prompts
 from train.self_distill import SELF_DISTILL_DIR, answer_share, chosen_conversations, with_distilled_train
 
 log = logging.getLogger("draftsmith")
@@ -244,7 +244,7 @@ def human_bytes(n: float) -> str:
 
 
 class Method:
-    """The `features` job (a train.base.Standalone method: its own loop, no Trainer)."""
+    """The `features` job (a train.method.Standalone method: its own loop, no Trainer)."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg

@@ -27,7 +27,7 @@ from data.errors import UsageError
 from models.backbone import final_hidden
 from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
-from train.base import StepOutput, TokenCounts
+from train.method import StepOutput, TokenCounts
 from train.distributed import gathered
 
 log = logging.getLogger("draftsmith")

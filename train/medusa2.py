@@ -33,7 +33,7 @@ from models.interop import is_medusa_dir, load_heads
 from models.loading import load_target, model_config
 from models.medusa import MedusaHeads
 from train import medusa1
-from train.base import StepOutput
+from train.method import StepOutput
 from train.config import HeadSchedule
 from train.medusa1 import MedusaTrainModule, medusa_loss
 from train.medusa2_backbone import (
@@ -140,7 +140,7 @@ def check_options(cfg: DictConfig) -> None:
 
 class Method(medusa1.Method, TrainerCallback):
     """Medusa-1's heads, evaluation and checkpoint format, plus a trained backbone. A TrainerCallback so the loss
-    knows the step (train.base.DraftTrainer registers it)."""
+    knows the step (train.trainer.DraftTrainer registers it)."""
 
     def __init__(self, cfg: DictConfig) -> None:
         check_options(cfg)
@@ -161,7 +161,7 @@ class Method(medusa1.Method, TrainerCallback):
 
     def check_inputs(self, tokenizer: Any) -> None:
         """method.init_heads fits the base model (hidden size, vocabulary): from the files, before any model loads or
-        any data is generated (train.base.ChecksInputs)."""
+        any data is generated (train.method.ChecksInputs)."""
         if not self.m.init_heads:
             return
         if is_medusa_dir(Path(self.m.init_heads)):

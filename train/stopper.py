@@ -31,14 +31,15 @@ from torch import nn
 
 from data.errors import UsageError
 from inference.api import Engine
-from inference.drafters.draft_model import DraftModelDrafter, check_vocab, check_vocab_files, is_plain_model
+from inference.drafters.draft_model import DraftModelDrafter
+from models.draft_model import check_vocab, check_vocab_files, is_plain_model
 from inference.drafters.draft_stop import DraftStop, StopTrace
 from models.checkpoint import CONFIG_NAME, draft_model_folder, save_draft_model, shared_spec
 from models.loading import load_target, load_tokenizer
 from models.quiet import quiet_transformers
 from models.shared_tensors import attach_shared
 from models.stopper import FEATURES, StopperModel, stopper_entry
-from train.base import first_user_prompts
+from train.prompts import first_user_prompts
 from train.distill import draft_path
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def best_threshold(features: torch.Tensor, accepted: torch.Tensor, make, costs: 
 
 
 class Method:
-    """A standalone method (train.base.Standalone): it runs its own loop instead of the HF Trainer."""
+    """A standalone method (train.method.Standalone): it runs its own loop instead of the HF Trainer."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg

@@ -56,7 +56,8 @@ from inference.bench.methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, 
                                      build_runners, pld_defaults)
 from inference.bench.prompt_sets import PROMPT_SETS, Question, load_questions
 from inference.bench.stats import Answer, TurnResult, bandwidth_floor, format_table, summarize
-from inference.drafters.draft_model import DraftModelDrafter, load_draft_model
+from inference.drafters.draft_model import DraftModelDrafter
+from models.draft_model import load_draft_model
 from inference.drafters.registry import names_draft_model
 from inference.session import (add_model_args, add_sampling_args, check_sampling, encode_messages,
                                open_session)

@@ -35,7 +35,8 @@ import torch
 
 from data.errors import UsageError
 from data.locations import is_local
-from inference.drafters.draft_model import build_draft_model_drafter, checkpoint_stopper, is_plain_model
+from inference.drafters.draft_model import build_draft_model_drafter
+from models.draft_model import checkpoint_stopper, is_plain_model
 from inference.drafters.draft_stop import check_stop_spec
 from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
 from inference.drafters.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
