@@ -16,7 +16,7 @@ from inference.api import Engine
 from inference.engine.drafter import NoDrafter
 from inference.engine.loop import DecodeConfig, generate
 from inference.kernels import cpu_linear
-from inference.kernels.cpu_linear import fast_linears, max_rows
+from inference.kernels.cpu_linear import KernelLinear, fast_linears, max_rows
 from tests.conftest import build_tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,8 +126,11 @@ def test_routed_entry_runs_only_where_the_kernel_applies():
 
 
 @needs_kernel
-def test_fast_linears_routes_few_row_no_grad_calls_and_restores(monkeypatch):
+def test_fast_linears_routes_few_row_no_grad_calls_inside_its_block_only(monkeypatch):
+    """Installed once (the layers become KernelLinear, same parameters and state_dict), routed only inside a block:
+    a second block installs nothing new, and after it the layers run stock, bit for bit."""
     model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 8)).bfloat16()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     kernel = CountingKernel()
     monkeypatch.setattr(cpu_linear, "load_kernel", lambda: kernel)
     rows = max_rows(32)  # 32 with AMX or AVX-512-BF16, else 4
@@ -135,15 +138,24 @@ def test_fast_linears_routes_few_row_no_grad_calls_and_restores(monkeypatch):
     with torch.no_grad():
         stock_few, stock_many = model(few), model(many)
     with fast_linears(model) as routed:
-        assert routed == 2 and all("forward" in vars(layer) for layer in (model[0], model[2]))
+        assert routed == 2 and all(type(layer) is KernelLinear for layer in (model[0], model[2]))
         with torch.no_grad():
             fast_few, fast_many = model(few), model(many)
         with_grad = model(few)  # grad mode: stock, so training through these layers is unaffected
     assert kernel.rows == [rows, rows]  # only the few-row no-grad calls, both layers
-    assert "forward" not in vars(model[0]) and "forward" not in vars(model[2])  # restored
+    installed = model[0]
+    with fast_linears(model) as routed:
+        assert routed == 2 and model[0] is installed
+    with torch.no_grad():
+        after = model(few)
+    assert kernel.rows == [rows, rows]  # outside a block: stock
+    assert torch.equal(after, stock_few)
+    assert model.state_dict().keys() == state.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     torch.testing.assert_close(fast_few.float(), stock_few.float(), rtol=2 ** -6, atol=2 ** -6)
     assert torch.equal(fast_many, stock_many)  # more rows: stock, bit for bit
     assert torch.equal(with_grad.detach(), stock_few) and with_grad.requires_grad
+    copy = __import__("copy").deepcopy(model)
+    assert type(copy[0]) is KernelLinear and copy[0].weight is not model[0].weight
 
 
 @needs_kernel
@@ -164,12 +176,16 @@ def test_fast_linears_row_limit_caps_the_routed_rows(monkeypatch):
 
 
 @needs_kernel
-def test_fast_linears_restores_on_error():
+def test_fast_linears_stops_routing_on_error(monkeypatch):
     layer = nn.Linear(16, 16).bfloat16()
+    kernel = CountingKernel()
+    monkeypatch.setattr(cpu_linear, "load_kernel", lambda: kernel)
     with pytest.raises(RuntimeError, match="boom"):
         with fast_linears(layer):
             raise RuntimeError("boom")
-    assert "forward" not in vars(layer)
+    with torch.no_grad():
+        layer(torch.randn(1, 16).bfloat16())
+    assert kernel.rows == []
 
 
 def test_fast_linears_leaves_ineligible_layers_alone(monkeypatch):
@@ -193,7 +209,7 @@ def test_unsupported_cpu_or_failed_build_falls_back_to_stock(monkeypatch, tmp_pa
     monkeypatch.setattr(cpu_linear, "cpu_supported", lambda: False)
     layer = nn.Linear(8, 8).bfloat16()
     with fast_linears(layer) as routed:
-        assert routed == 0 and "forward" not in vars(layer)
+        assert routed == 0 and type(layer) is nn.Linear
     with pytest.raises(RuntimeError, match="not available"):
         cpu_linear.linear(torch.ones(1, 8).bfloat16(), layer.weight)
 
@@ -208,6 +224,20 @@ def test_unsupported_cpu_or_failed_build_falls_back_to_stock(monkeypatch, tmp_pa
         assert cpu_linear.load_kernel() is None
     with fast_linears(layer) as routed:
         assert routed == 0
+
+
+def test_a_stale_torch_build_baton_does_not_hang_the_next_load(monkeypatch, tmp_path):
+    """A process killed while torch built or loaded the kernel leaves torch's baton file in the build directory; the
+    next load removes it under draftsmith's own lock (which died with its holder) instead of waiting forever."""
+    from torch.utils import cpp_extension
+
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(
+        (Path(kw["build_directory"]) / cpu_linear.TORCH_BATON).exists()) or "built")
+    build_dir = tmp_path / "kernels" / "k"
+    build_dir.mkdir(parents=True)
+    (build_dir / cpu_linear.TORCH_BATON).touch()  # left by a killed process
+    assert cpu_linear._build("k", build_dir) == "built" and seen == [False]
 
 
 class FailingBuild:
@@ -252,7 +282,7 @@ def test_failed_build_is_remembered_per_compiler_and_flags(monkeypatch, tmp_path
     assert str(markers[0]) in notice and "stock PyTorch" in notice
     layer = nn.Linear(8, 8).bfloat16()
     with fast_linears(layer) as routed:
-        assert routed == 0 and "forward" not in vars(layer)
+        assert routed == 0 and type(layer) is nn.Linear
 
     fresh_process(monkeypatch)  # other flags: a new attempt
     monkeypatch.setattr(cpu_linear, "CFLAGS", ("-O2", "-fopenmp"))
@@ -291,7 +321,7 @@ def test_generate_uses_the_kernel_unless_disabled(monkeypatch):
     kernel.rows.clear()
     generate(model, ids, NoDrafter(), DecodeConfig(max_new_tokens=4, cpu_kernel=False))
     assert kernel.rows == []
-    assert all("forward" not in vars(m) for m in model.modules())
+    assert sum(type(m) is KernelLinear for m in model.modules()) == 15  # installed by the first call, idle since
     with torch.no_grad():
         stock = model(ids[:, :1]).logits
         with fast_linears(model):

@@ -11,7 +11,9 @@ outputs equal to stock bit for bit, tests/test_attention.py). On CUDA a mask wit
 kernels, so everything that is not a masked GQA forward on the CPU goes to stock `sdpa` unchanged.
 
 `gqa_attention(*models)` switches the models whose attention is `sdpa` to this function while its block runs and
-restores it on exit (the model's config names the attention function each layer looks up per forward).
+restores `sdpa` on exit, through transformers' public `set_attn_implementation` (the model's config names the
+attention function each layer looks up per forward). The switch is scoped, not installed for good: Hugging Face
+`generate` on the same model, outside the block, must run stock `sdpa` (its mask code branches on that name).
 """
 
 from __future__ import annotations
@@ -52,15 +54,18 @@ def gqa_attention(*modules: torch.nn.Module | None, enabled: bool = True) -> Ite
     """Within the block, the models among `modules` (None entries skipped) that run `sdpa` attention run `gqa_sdpa`;
     yields how many configs were switched (other attention implementations, or enabled=False: none). Restores every
     one on exit, also on error."""
-    switched: dict[int, object] = {}
+    switched: dict[int, torch.nn.Module] = {}  # config id -> the model that switches it
     for module in modules if enabled else ():
         config = getattr(module, "config", None)
-        if config is not None and id(config) not in switched and getattr(config, "_attn_implementation", None) == "sdpa":
-            switched[id(config)] = config
-    for config in switched.values():
-        config._attn_implementation = NAME
+        if (hasattr(module, "set_attn_implementation") and id(config) not in switched
+                and getattr(config, "_attn_implementation", None) == "sdpa"):
+            switched[id(config)] = module
+    done: list[torch.nn.Module] = []
     try:
+        for model in switched.values():
+            model.set_attn_implementation(NAME)
+            done.append(model)
         yield len(switched)
     finally:
-        for config in switched.values():
-            config._attn_implementation = "sdpa"
+        for model in done:
+            model.set_attn_implementation("sdpa")

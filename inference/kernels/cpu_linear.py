@@ -13,7 +13,8 @@ stock PyTorch, whose oneDNN GEMM wins there.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, CPU, contiguous weight, no forward of their own
 set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,
-Hugging Face `generate` and every baseline outside the block stay stock. The kernel is built once per machine and
+Hugging Face `generate` and every baseline outside the block stay stock. A layer is installed once (`install`: its
+class becomes `KernelLinear`, a plain nn.Linear subclass); the block only switches the routing on, per thread. The kernel is built once per machine and
 torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler; ~1 min) into the draftsmith cache, and only
 on x86 CPUs with AVX2 + FMA or AVX-512; anywhere else, or if the build fails (one warning), stock PyTorch runs.
 A failed build is remembered in the cache (`failure_marker`: one file per source, torch version, compiler and flags), so
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import warnings
 from contextlib import contextmanager
-from functools import partial
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,6 +46,7 @@ FMA_ROWS = 4  # rows the AVX-512/AVX2 FMA paths take where no wider path runs (m
 AMX_ROWS = 32  # input rows up to which the AMX path runs (two B tiles), for inputs whose width is a multiple of 32
 DP_ROWS = 32  # input rows up to which the AVX-512-BF16 path runs where there is no AMX
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file inside a build directory (a FileBaton)
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -158,7 +160,10 @@ def _build(name: str, build_dir: Path) -> Any:
     from torch.utils import cpp_extension  # deferred: imports setuptools, ~0.3 s, only when the kernel is needed
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(build_dir) + ".lock"):
+    with FileLock(str(build_dir) + ".lock"):  # an OS lock: released when its holder dies, however it dies
+        # torch's own build baton is a plain file that a process killed mid-build or mid-load leaves behind, and
+        # every later load would wait on it forever; under our lock nobody else holds it
+        (build_dir / TORCH_BATON).unlink(missing_ok=True)
         if not any(build_dir.glob(f"{name}*.so")):
             print(f"building the engine's bf16 CPU kernel in {build_dir} (once, ~1 min)", file=sys.stderr, flush=True)
         return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
@@ -202,38 +207,58 @@ def eligible(module: nn.Module) -> bool:
             and "forward" not in vars(module))
 
 
-def _forward(module: nn.Linear, kernel: Any, rows: int, x: torch.Tensor) -> torch.Tensor:
-    # the kernel checks that it applies (no grad mode, bf16 CPU input of 1..rows rows, weight as eligible() found it)
-    # in one C++ call and answers None where it does not
-    y = kernel.linear_bf16_routed(x, module.weight, module.bias, rows, _amx, _dp)
-    return F.linear(x, module.weight, module.bias) if y is None else y
+class KernelLinear(nn.Linear):
+    """A plain `nn.Linear` whose few-row no-grad calls run through the kernel while a `fast_linears` block is active
+    (stock `F.linear` otherwise: training, Hugging Face `generate`, every baseline). `install` turns an eligible layer
+    into one by changing its class, once: the same parameters, state_dict, deepcopy and pickling as before."""
+
+    kernel_rows: int  # rows up to which this layer's width runs on the kernel (max_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = _routing.get()
+        if routing is not None:
+            kernel, limit = routing
+            # the kernel checks that it applies (no grad mode, bf16 CPU input of 1..rows rows, weight as eligible()
+            # found it) in one C++ call and answers None where it does not
+            y = kernel.linear_bf16_routed(x, self.weight, self.bias, min(limit, self.kernel_rows), _amx, _dp)
+            if y is not None:
+                return y
+        return F.linear(x, self.weight, self.bias)
+
+
+# (the kernel, a row limit) inside a fast_linears block of this thread / task; None: KernelLinear runs stock
+_routing: ContextVar[tuple[Any, int] | None] = ContextVar("draftsmith_kernel_routing", default=None)
+ALL_ROWS = max(FMA_ROWS, AMX_ROWS, DP_ROWS)  # no limit beyond each layer's own kernel_rows
+
+
+def install(*modules: nn.Module | None) -> list[KernelLinear]:
+    """Turn the eligible linears of `modules` (None entries skipped) into KernelLinear, once (layers installed before
+    are kept); -> every KernelLinear among them. Nothing is installed where the kernel is unavailable (it is only
+    built when some layer is eligible)."""
+    found: dict[int, nn.Module] = {}
+    for root in modules:
+        for module in root.modules() if root is not None else ():
+            if isinstance(module, KernelLinear) or (type(module) is nn.Linear and eligible(module)):
+                found.setdefault(id(module), module)
+    if not found or load_kernel() is None:
+        return []
+    for layer in found.values():
+        if not isinstance(layer, KernelLinear):
+            layer.__class__ = KernelLinear
+            layer.kernel_rows = max_rows(layer.in_features)
+    return list(found.values())
 
 
 @contextmanager
 def fast_linears(*modules: nn.Module | None, enabled: bool = True, row_limit: int | None = None) -> Iterator[int]:
-    """Within the block, eligible linears of `modules` (None entries skipped) run their few-row no-grad calls through
-    the kernel: up to `max_rows` rows, or at most `row_limit` (for benchmarks: 4 is the routing of CPUs without AMX or
-    AVX-512-BF16). Yields how many layers were routed (0 where nothing is eligible or the kernel is unavailable; the
-    kernel is only built when some layer is eligible). Restores every layer on exit, also on error."""
-    layers: list[nn.Linear] = []
-    seen: set[int] = set()
-    if enabled:
-        for root in modules:
-            if root is None:
-                continue
-            for module in root.modules():
-                if id(module) not in seen and eligible(module):
-                    seen.add(id(module))
-                    layers.append(module)
-    kernel = load_kernel() if layers else None
-    if kernel is None:
-        yield 0
-        return
-    for layer in layers:
-        rows = max_rows(layer.in_features)
-        layer.forward = partial(_forward, layer, kernel, rows if row_limit is None else min(rows, row_limit))
+    """Within the block, eligible linears of `modules` (None entries skipped; installed on first use, `install`) run
+    their few-row no-grad calls through the kernel: up to `max_rows` rows, or at most `row_limit` (for benchmarks: 4
+    is the routing of CPUs without AMX or AVX-512-BF16). Yields how many layers are routed (0 where nothing is
+    eligible, the kernel is unavailable or enabled=False). Outside the block, also on error, every layer runs stock."""
+    layers = install(*modules) if enabled else []
+    routing = (load_kernel(), ALL_ROWS if row_limit is None else row_limit) if layers else None
+    token = _routing.set(routing)
     try:
         yield len(layers)
     finally:
-        for layer in layers:
-            vars(layer).pop("forward", None)
+        _routing.reset(token)
