@@ -86,6 +86,7 @@ class Engine:
         attention_mask: torch.Tensor | None = None,
         raw: bool = False,
         return_output: bool = False,
+        streamer: Any = None,
     ) -> str | list[str] | GenerationOutput:
         """Generate a reply.
 
@@ -93,7 +94,9 @@ class Engine:
         those (a batch, any lengths); the chat template is applied (`raw=True`: a str prompt is plain text instead)
         and the reply comes back as a str, or a list of str for a list. `stop` strings end a reply where its text
         holds one, whatever tokens spell it; the text ends before it. `return_output=True` returns the
-        GenerationOutput instead, its `texts` filled in.
+        GenerationOutput instead, its `texts` filled in. `streamer`: a Hugging Face streamer (`TextStreamer`,
+        `TextIteratorStreamer`, any `BaseStreamer`) for one text prompt, fed as `model.generate(streamer=...)` feeds
+        it: the prompt's ids first (`skip_prompt=True` drops them), then each step's accepted tokens, then `end()`.
 
         Token ids in ([T] ids, a [B, T] tensor, or a list of id lists of any lengths, left-padded here): the
         GenerationOutput, `stop` then holds id sequences and `stream(row, new_tokens)` sees each row's tokens as they
@@ -112,11 +115,25 @@ class Engine:
             raise ValueError("generate: stream= and attention_mask= apply to token ids; "
                              "engine.stream(prompt) streams text")
         batched = not is_text_prompt(prompt)
+        if streamer is not None and batched:
+            raise ValueError("generate: streamer= takes one prompt (Hugging Face streamers are batch-1)")
         rows = [self.encode(p, raw) for p in (prompt if batched else [prompt])]
         stops = self._stop_strings(stop)
         streams = [TextStream(self.tokenizer, stops) for _ in rows]
-        out = self.generate_ids(rows, stop=self.stop_ids(stop), stream=lambda row, ids: streams[row](row, ids),
-                                **kwargs)
+
+        def stream_row(row: int, ids: list[int]) -> bool:
+            stop_here = streams[row](row, ids)
+            if streamer is not None:
+                streamer.put(torch.tensor(ids))
+            return stop_here
+
+        if streamer is not None:
+            streamer.put(torch.tensor([rows[0]]))  # as model.generate does: the prompt first
+        try:
+            out = self.generate_ids(rows, stop=self.stop_ids(stop), stream=stream_row, **kwargs)
+        finally:
+            if streamer is not None:
+                streamer.end()
         finished = [s.finish(ids) for s, ids in zip(streams, out.sequences)]
         texts = [text for text, _ in finished]
         if return_output:

@@ -96,6 +96,37 @@ def test_stream_yields_the_text_of_generate(engine):
     assert len(pieces) > 1 and "".join(pieces) == full
 
 
+def test_a_hugging_face_streamer_prints_what_it_prints_for_model_generate(engine):
+    """transformers' own streamers plug in as they do into model.generate: the same text, chunk by chunk (several
+    tokens a chunk when drafts are accepted), the prompt skipped, end() called once."""
+    from transformers import TextIteratorStreamer
+
+    class Recorder(TextIteratorStreamer):
+        def __init__(self, tokenizer):
+            super().__init__(tokenizer, skip_prompt=True, decode_kwargs={"clean_up_tokenization_spaces": False},
+                             timeout=5)
+            self.puts, self.ends = [], 0
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+            super().put(value)
+
+        def end(self):
+            self.ends += 1
+            super().end()
+
+    ids = encode_prompt(engine.tokenizer, [{"role": "user", "content": PROMPT}])
+    ours, theirs = Recorder(engine.tokenizer), Recorder(engine.tokenizer)
+    full = engine.generate(PROMPT, max_new_tokens=24, ignore_eos=True, streamer=ours)
+    engine.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, streamer=theirs,
+                          pad_token_id=engine.tokenizer.pad_token_id)
+    printed = ["".join(recorder) for recorder in (ours, theirs)]  # the iterator's queue, read after the run
+    assert printed[0] == printed[1] and printed[0].strip() == full.strip()
+    assert ours.puts[0] == ids and ours.ends == 1 and sum(map(len, ours.puts[1:])) == 24
+    with pytest.raises(ValueError, match="batch-1"):
+        engine.generate([PROMPT, PROMPT], streamer=Recorder(engine.tokenizer))
+
+
 def test_leaving_a_stream_early_stops_the_loop(engine):
     stream = engine.stream(PROMPT, max_new_tokens=200, ignore_eos=True)
     first = next(stream)

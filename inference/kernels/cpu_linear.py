@@ -14,9 +14,10 @@ stock PyTorch, whose oneDNN GEMM wins there.
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, CPU, contiguous weight, no forward of their own
 set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,
 Hugging Face `generate` and every baseline outside the block stay stock. A layer is installed once (`install`: its
-class becomes `KernelLinear`, a plain nn.Linear subclass); the block only switches the routing on, per thread. The kernel is built once per machine and
-torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler; ~1 min) into the draftsmith cache, and only
-on x86 CPUs with AVX2 + FMA or AVX-512; anywhere else, or if the build fails (one warning), stock PyTorch runs.
+class becomes `KernelLinear`, a plain nn.Linear subclass); a block only switches the routing on, for its own thread.
+The kernel is built once per machine and torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler;
+~1 min) into the draftsmith cache, and only on x86 CPUs with AVX2 + FMA or AVX-512; anywhere else, or if the build
+fails (one warning), stock PyTorch runs.
 A failed build is remembered in the cache (`failure_marker`: one file per source, torch version, compiler and flags), so
 later processes skip the attempt with a one-line notice; another compiler, other flags or a changed source build
 anew, and deleting the marker retries.
