@@ -49,7 +49,7 @@ def test_cli_drafter_takes_a_conf_model_name(saved_model):
 
 def test_load_draft_model_resolves_a_conf_model_name(monkeypatch):
     """bench's --assistant reaches load_draft_model without `resolve`: the name still means its model."""
-    from inference.drafters import draft_model
+    from models import draft_model
 
     class Loaded(Exception):
         pass
