@@ -54,9 +54,11 @@ class DynamicTree:
     accepted tokens of the batch), which is EAGLE-2's rule for one row. Any deterministic tree keeps verification
     lossless, so the shape may follow the draft."""
 
+    # defaults: the best of 16:6:4, 16:8:3, 16:5:8 and 16:6:10 on smollm2 (docs/eagle3.md): as wide at the root as the
+    # static tree its acceptance favours (8 children), which a narrower expansion cannot reach
     num_nodes: int = DEFAULT_NODES + 1  # verified tokens per row, the root included
-    depth: int = 6  # deepest level drafted
-    topk: int = 4  # nodes expanded per level and candidates per expanded node
+    depth: int = 5  # deepest level drafted
+    topk: int = 8  # nodes expanded per level and candidates per expanded node
 
     @classmethod
     def parse(cls, spec: str, draft_vocab: int) -> DynamicTree:
