@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.chat import encode_prompt  # noqa: E402
 from inference.api import Engine  # noqa: E402
 from inference.drafters.draft_model import DraftModelDrafter, draft_shape  # noqa: E402
-from models.draft_model import checkpoint_stopper, load_draft_model
 from inference.drafters.draft_stop import parse_stop  # noqa: E402
 from inference.engine.drafter import NoDrafter  # noqa: E402
+from models.draft_model import checkpoint_stopper, load_draft_model  # noqa: E402
 from models.loading import load_target, load_tokenizer  # noqa: E402
 from models.refs import BuiltinRef, parse_model  # noqa: E402
 from models.tiny import is_built  # noqa: E402

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.chat import encode_prompt  # noqa: E402
 from inference.api import Engine  # noqa: E402
 from inference.bench.prompt_sets import default_questions, read_questions  # noqa: E402
-from models.draft_model import load_draft_model  # noqa: E402
 from inference.engine.drafter import NoDrafter  # noqa: E402
+from models.draft_model import load_draft_model  # noqa: E402
 from models.loading import load_target, load_tokenizer  # noqa: E402
 from models.refs import model_settings  # noqa: E402
 

@@ -189,8 +189,8 @@ def test_frozen_early_exit_draft_shares_the_targets_embeddings(sharegpt_file, tm
 
     from inference.api import load
     from inference.drafters.draft_model import DraftModelDrafter
-    from models.draft_model import load_draft_model
     from models.checkpoint import DrafterMismatchError
+    from models.draft_model import load_draft_model
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     target = save_tiny_model(tmp_path / "target", seed=0, layers=3, tied=True, initializer_range=0.2)

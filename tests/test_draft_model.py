@@ -13,12 +13,12 @@ import torch
 
 from inference.api import load
 from inference.drafters.draft_model import DraftModelDrafter
-from models.draft_model import check_vocab
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import build_tree, chain_choices
 from inference.engine.verify import SamplingParams, target_probs, verify_speculative
 from models.checkpoint import DrafterMismatchError, save_draft_model
+from models.draft_model import check_vocab
 from tests.conftest import build_tiny_lm
 from tests.model_support import save_tiny_model
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from inference.api import load
 from inference.cli import main
 from inference.drafters.draft_model import DraftModelDrafter
-from models.draft_model import is_plain_model
 from inference.engine.loop import DecodeConfig, generate
 from models import early_exit
+from models.draft_model import is_plain_model
 from models.early_exit import build_early_exit_draft, ensure_early_exit
 from models.loading import ModelLoadError
 from models.refs import BuiltinRef, ConfRef, EarlyExitRef, LocalRef, locate, model_settings, parse_model

@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM
 from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
-from models.draft_model import check_vocab, check_vocab_files
 from models.backbone import padded_position_ids
 from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
+from models.draft_model import check_vocab, check_vocab_files
 from models.loading import load_target
 from models.quiet import quiet_transformers
 from models.refs import model_settings

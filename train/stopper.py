@@ -32,9 +32,9 @@ from torch import nn
 from data.errors import UsageError
 from inference.api import Engine
 from inference.drafters.draft_model import DraftModelDrafter
-from models.draft_model import check_vocab, check_vocab_files, is_plain_model
 from inference.drafters.draft_stop import DraftStop, StopTrace
 from models.checkpoint import CONFIG_NAME, draft_model_folder, save_draft_model, shared_spec
+from models.draft_model import check_vocab, check_vocab_files, is_plain_model
 from models.loading import load_target, load_tokenizer
 from models.quiet import quiet_transformers
 from models.shared_tensors import attach_shared

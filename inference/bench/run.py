@@ -57,10 +57,10 @@ from inference.bench.methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, 
 from inference.bench.prompt_sets import PROMPT_SETS, Question, load_questions
 from inference.bench.stats import Answer, TurnResult, bandwidth_floor, format_table, summarize
 from inference.drafters.draft_model import DraftModelDrafter
-from models.draft_model import load_draft_model
 from inference.drafters.registry import names_draft_model
 from inference.session import (add_model_args, add_sampling_args, check_sampling, encode_messages,
                                open_session)
+from models.draft_model import load_draft_model
 
 WARMUP_TOKENS = 32
 PROGRESS_INTERVAL_S = 10.0  # a progress line at least this often when stderr is not a terminal

@@ -36,7 +36,6 @@ import torch
 from data.errors import UsageError
 from data.locations import is_local
 from inference.drafters.draft_model import build_draft_model_drafter
-from models.draft_model import checkpoint_stopper, is_plain_model
 from inference.drafters.draft_stop import check_stop_spec
 from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
 from inference.drafters.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
@@ -51,6 +50,7 @@ from models.builtin import ModelLoadError
 from models.checkpoint import (
     CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
 )
+from models.draft_model import checkpoint_stopper, is_plain_model
 from models.eagle3 import load_eagle3
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
