@@ -25,8 +25,8 @@ from data.datasets import build_datasets  # noqa: E402
 from models.checkpoint import load_drafter_target, read_drafter_config  # noqa: E402
 from models.loading import load_target, load_tokenizer  # noqa: E402
 from models.refs import model_settings  # noqa: E402
-from train.prompts import prompt_ids  # noqa: E402
 from train.config import register_configs  # noqa: E402
+from train.prompts import prompt_ids  # noqa: E402
 from train.quality_guard import greedy_agreement, greedy_reference, lm_quality  # noqa: E402
 
 

@@ -36,9 +36,9 @@ from models.loading import ModelLoadError, load_target, load_tokenizer
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import DataCfg, tiny_tokenizer
 from tests.model_support import save_tiny_model, tiny_config
-from train.resume import resolve_resume
 from train.cli import UsageError, parse, user_errors
 from train.config import register_configs
+from train.resume import resolve_resume
 
 CASES_DIR = Path(__file__).parent / "bad_inputs"
 ROOT = Path(__file__).resolve().parents[1]

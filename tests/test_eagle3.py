@@ -12,8 +12,8 @@ from transformers import DynamicCache
 
 from inference.drafters.eagle3 import (Candidates, DynamicTree, Eagle3Drafter, default_tree, eagle3_tree,
                                        plan_levels)
-from inference.engine.drafter import DecodeState
 from inference.engine.cache import additive
+from inference.engine.drafter import DecodeState
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import TreeError, build_tree
 from inference.engine.verify import SamplingParams

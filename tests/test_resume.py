@@ -19,9 +19,9 @@ from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
 from tests.model_support import save_tiny_model
+from train.config import register_configs
 from train.resume import checkpoint_problem, resolve_resume
 from train.task import run
-from train.config import register_configs
 
 WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 

@@ -43,10 +43,10 @@ from inference.engine.loop import DecodeConfig, generate
 from models.backbone import final_hidden
 from models.checkpoint import CheckpointError, backbone_folder, save_model_drafter
 from models.loading import load_target
-from train.method import StepOutput
 from train.config import CllmDivergence
 from train.medusa2_backbone import (
     BackboneOptions, backbone_writer, is_lora, load_backbone_weights, original_model, prepare_backbone)
+from train.method import StepOutput
 from train.quality_guard import eval_mode, scored_logits
 
 DIVERGENCES = tuple(CllmDivergence)

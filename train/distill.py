@@ -32,8 +32,8 @@ from models.draft_model import check_vocab, check_vocab_files
 from models.loading import load_target
 from models.quiet import quiet_transformers
 from models.refs import model_settings
-from train.method import StepOutput
 from train.config import DistillDivergence
+from train.method import StepOutput
 
 DIVERGENCES = tuple(DistillDivergence)
 

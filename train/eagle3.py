@@ -33,9 +33,9 @@ from data.errors import UsageError
 from models.checkpoint import most_frequent
 from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
 from models.loading import model_config
-from train.method import StepOutput, TokenCounts
 from train.distributed import gathered
 from train.medusa1 import greedy_continuations, spread_topk
+from train.method import StepOutput, TokenCounts
 
 log = logging.getLogger("draftsmith")
 

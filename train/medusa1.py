@@ -27,8 +27,8 @@ from data.errors import UsageError
 from models.backbone import final_hidden
 from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
-from train.method import StepOutput, TokenCounts
 from train.distributed import gathered
+from train.method import StepOutput, TokenCounts
 
 log = logging.getLogger("draftsmith")
 

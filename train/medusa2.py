@@ -33,11 +33,11 @@ from models.interop import is_medusa_dir, load_heads
 from models.loading import load_target, model_config
 from models.medusa import MedusaHeads
 from train import medusa1
-from train.method import StepOutput
 from train.config import HeadSchedule
 from train.medusa1 import MedusaTrainModule, medusa_loss
 from train.medusa2_backbone import (
     BackboneOptions, backbone_writer, load_backbone_weights, original_model, prepare_backbone, trainable)
+from train.method import StepOutput
 from train.quality_guard import (
     Reference, degraded, eval_mode, greedy_reference, guard_report, guard_summary, lm_quality, next_token_targets,
     warning_line)

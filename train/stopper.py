@@ -39,8 +39,8 @@ from models.loading import load_target, load_tokenizer
 from models.quiet import quiet_transformers
 from models.shared_tensors import attach_shared
 from models.stopper import FEATURES, StopperModel, stopper_entry
-from train.prompts import first_user_prompts
 from train.distill import draft_path
+from train.prompts import first_user_prompts
 
 log = logging.getLogger(__name__)
 THRESHOLDS = (0.0, 0.01, 0.02, *(round(0.05 * i, 2) for i in range(1, 20)))  # 0 (never stop) .. 0.95
