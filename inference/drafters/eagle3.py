@@ -117,6 +117,20 @@ class Level:
     child_rank: torch.Tensor  # [C] its rank among the parent's candidates
 
 
+def level_visibility(queries: list[int], parent: list[int], slot: dict[int, int]) -> torch.Tensor:
+    """[Q, W + Q] bool: the draft slots each query of a level sees this step: its expanded ancestors (`slot`, W of
+    them: every ancestor below the root was expanded) and itself."""
+    width = len(slot)
+    visible = torch.zeros(len(queries), width + len(queries), dtype=torch.bool)
+    for q, node in enumerate(queries):
+        visible[q, width + q] = True
+        ancestor = parent[node]
+        while ancestor in slot:
+            visible[q, slot[ancestor]] = True
+            ancestor = parent[ancestor]
+    return visible
+
+
 def plan_levels(tree: TreeBuffers) -> list[Level]:
     """The per-level forwards of a tree: level 0 is the root (queried by the pending pairs), level d >= 1 the nodes at
     depth d that have children. A query's visible slots are its expanded ancestors (every ancestor has children)."""
@@ -131,15 +145,7 @@ def plan_levels(tree: TreeBuffers) -> list[Level]:
         if not queries:
             break
         width = len(slot)
-        visible = torch.zeros(len(queries), width + len(queries), dtype=torch.bool)
-        for q, node in enumerate(queries):
-            if d == 0:
-                continue
-            visible[q, width + q] = True
-            ancestor = parent[node]
-            while ancestor > 0:
-                visible[q, slot[ancestor]] = True
-                ancestor = parent[ancestor]
+        visible = level_visibility(queries, parent, slot) if d else torch.zeros(1, 1, dtype=torch.bool)
         if d > 0:
             slot.update({node: width + q for q, node in enumerate(queries)})
         index = {node: q for q, node in enumerate(queries)}
@@ -261,13 +267,7 @@ class Eagle3Drafter:
         for d in range(1, spec.depth):
             queries = found.best(newest, spec.topk)
             width = len(slot)
-            visible = torch.zeros(len(queries), width + len(queries), dtype=torch.bool)
-            for q, node in enumerate(queries):
-                visible[q, width + q] = True
-                ancestor = found.parent[node]
-                while ancestor >= 0:
-                    visible[q, slot[ancestor]] = True
-                    ancestor = found.parent[ancestor]
+            visible = level_visibility(queries, found.parent, slot)
             slot.update({node: width + q for q, node in enumerate(queries)})
             hidden = outputs[:, [query_of[n] for n in queries]]  # [B, Q, D] each query's parent's output
             tokens = torch.stack([found.tokens[n] for n in queries], dim=1)  # [B, Q]
