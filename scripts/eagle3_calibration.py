@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from data.errors import UsageError  # noqa: E402
 from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
 from inference.drafters.eagle3 import DynamicTree, Eagle3Drafter  # noqa: E402
@@ -81,8 +82,11 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    questions, _ = load_questions(args.questions)  # bad sets fail here, before the model loads
-    engine = load(args.drafter, dtype=args.dtype, tree=args.tree)
+    try:
+        questions, _ = load_questions(args.questions)  # bad sets fail here, before the model loads
+        engine = load(args.drafter, dtype=args.dtype, tree=args.tree)
+    except (UsageError, ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     if not isinstance(engine.drafter, Eagle3Drafter):
         raise SystemExit(f"--drafter {args.drafter}: not an eagle3 checkpoint")
     probe = engine.drafter = Probe(engine.drafter)
