@@ -26,6 +26,12 @@ TOKENIZER_COPY_FILES = (  # every file a tokenizer may consist of: what copying 
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
 )
+# Every `from_pretrained` of a causal LM passes these. With the `kernels` package installed (transformers >= 5.2x
+# requires it), transformers swaps layers for kernels it fetches from the Hugging Face Hub while loading, by default:
+# on a GPU without network that load fails ("could not verify publisher trust status", seen on an H200), and online it
+# replaces the stock modules whose numerics the engine's exactness tests pin. draftsmith serves stock modules; its own
+# kernels are inference.kernels'.
+STOCK_MODULES = {"use_kernels": False}
 
 
 class ModelLoadError(UsageError):

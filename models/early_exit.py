@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
-from models.builtin import ModelLoadError, has_tokenizer, torch_dtype
+from models.builtin import STOCK_MODULES, ModelLoadError, has_tokenizer, torch_dtype
 from models.quiet import quiet_transformers
 
 if TYPE_CHECKING:  # models.refs calls this module with its refs; importing it here would be a cycle
@@ -57,7 +57,8 @@ def build_early_exit_draft(source: str | Path, num_layers: int, out_dir: str | P
     _check_layer_stack(cut, where)
     with quiet_transformers():  # the dropped layers are reported as unexpected keys: that is the point
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, config=cut, dtype="auto" if dtype is None else torch_dtype(dtype), output_loading_info=True)
+            path, config=cut, dtype="auto" if dtype is None else torch_dtype(dtype), output_loading_info=True,
+            **STOCK_MODULES)
     _check_loaded(info, where)
     model.config.name_or_path = where
     out_dir = Path(out_dir)

@@ -16,7 +16,7 @@ import torch
 from data.extras import require
 from data.templates import get_template
 from models.builtin import (  # noqa: F401  (re-exported: the names callers know models.loading by)
-    DTYPES, QUANTIZATIONS, TOKENIZER_FILES, ModelLoadError, has_tokenizer, torch_dtype,
+    DTYPES, QUANTIZATIONS, STOCK_MODULES, TOKENIZER_FILES, ModelLoadError, has_tokenizer, torch_dtype,
 )
 from models.refs import ModelRef, at_revision, locate, parse_model
 
@@ -214,6 +214,7 @@ def load_target(
         dtype=compute_dtype,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
+        **STOCK_MODULES,
     )
     device_map = resolve_device_map(device_map)
     if device_map is not None and tp_plan is not None:

@@ -117,7 +117,9 @@ def convert_gguf(gguf: Path, out_dir: Path, source: str | None = None) -> None:
 
     gguf = Path(gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # use_kernels=False: stock modules, no kernels fetched from the Hub (models.builtin.STOCK_MODULES says why)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 use_kernels=False)
     # The loaded model remembers it came from a GGUF (quant_method gguf) and refuses save_pretrained; the weights in
     # memory are plain fp32 tensors, so the record can go.
     del model.config.quantization_config

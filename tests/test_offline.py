@@ -88,6 +88,27 @@ def test_remote_code_is_off_unless_set():
             assert yaml.safe_load(path.read_text()).get("trust_remote_code", False) is False, path.name
 
 
+def test_loaders_keep_stock_modules_and_fetch_no_hub_kernels(tmp_path: Path, monkeypatch):
+    """transformers kernelizes every from_pretrained by default when the `kernels` package is installed: on a GPU that
+    fetches layers from the Hub (offline: the load fails, as it did on an H200) and swaps out the stock modules the
+    engine's exactness is tested on. The target loader and the early-exit cut switch it off."""
+    from transformers import AutoModelForCausalLM
+
+    from models.early_exit import build_early_exit_draft
+    from models.loading import load_target
+    from tests.model_support import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "model")
+    assert AutoModelForCausalLM.from_pretrained(folder).use_kernels  # the library's default: what is switched off
+    assert load_target(str(folder), dtype="fp32").use_kernels is False
+    seen = []
+    original = AutoModelForCausalLM.from_pretrained.__func__
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **kw: seen.append(kw.get("use_kernels")) or original(cls, *a, **kw)))
+    build_early_exit_draft(folder, 1, tmp_path / "cut")
+    assert seen == [False]
+
+
 def test_drafter_checkpoint_is_safetensors_only(tmp_path: Path):
     import torch
 

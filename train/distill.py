@@ -27,6 +27,7 @@ from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
 from models.backbone import padded_position_ids
+from models.builtin import STOCK_MODULES
 from models.checkpoint import CheckpointError, draft_model_folder, save_draft_model, shared_spec
 from models.draft_model import check_vocab, check_vocab_files
 from models.loading import load_target
@@ -244,7 +245,8 @@ class Method:
     def load(self, model: DistillTrainModule, checkpoint_dir: Path) -> None:
         shared = shared_spec(checkpoint_dir)  # left out of the files: the draft keeps the target's own (frozen)
         with quiet_transformers(bool(shared)):
-            saved = AutoModelForCausalLM.from_pretrained(str(draft_model_folder(checkpoint_dir)), dtype=model.draft.dtype)
+            saved = AutoModelForCausalLM.from_pretrained(str(draft_model_folder(checkpoint_dir)), dtype=model.draft.dtype,
+                                                         **STOCK_MODULES)
         state = {k: v for k, v in saved.state_dict().items() if k not in shared}
         missing, unexpected = model.draft.load_state_dict(state, strict=False)
         if set(missing) - set(shared) or unexpected:
