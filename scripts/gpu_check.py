@@ -16,6 +16,10 @@ Sections, on a random Llama of Llama-2-7B's shapes (random weights: the shapes d
             engine efficiency; greedy identity of the trees vs our plain loop vs Hugging Face `generate`, each
             first divergence re-run in fp32 (fp64 on a CPU) and counted as a near tie or a real mismatch
             (inference.bench.greedy_ties)
+    drafters every drafter kind through the public API (`inference.load`) on the device, fp32 with TF32 off, on a small
+            random Llama: Medusa heads, EAGLE-3 (static and dynamic tree) and a draft model saved as checkpoints,
+            prompt lookup, lookahead and Jacobi by name; a left-padded batch decoded greedily must equal plain greedy
+            decoding token for token (fp32: no near ties allowed), and seeded sampling must run
     tiny    `python -m inference bench` of the tiny target's Medusa-1 heads (README setup: MT-bench first turns, 128
             new tokens, greedy, fp32), from a bundle made by --pack-tiny; skipped, with the reason, without one
 A section that fails records its error and the run goes on; the exit status is then 1. Bad arguments end with one line
@@ -44,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_check_report, however this file was started
 
-SECTIONS = ("train", "nf4", "engine", "tiny")
+SECTIONS = ("train", "nf4", "engine", "drafters", "tiny")
 # What the sections import (transformers and its own dependencies, omegaconf, hydra-core, accelerate): tried after the
 # argument checks, so a machine that lacks a package says so in one line before any model is built.
 REQUIRED = ("transformers", "train.medusa1_cost", "inference.bench.engine_check", "inference.cli")
@@ -72,6 +76,9 @@ class Plan:
     reps: int  # timed repetitions per t(K) and head-cost point (median kept)
     tiny_limit: int | None  # MT-bench questions for `tiny` (None: all 80)
     tiny_new_tokens: int
+    drafter_prompts: tuple[int, ...] = (23, 9, 40, 16)  # section drafters: prompt lengths (a left-padded batch)
+    drafter_new_tokens: int = 48
+    drafter_vocab: int = 512
     tree_sizes: tuple[int, ...] = (16, 32, 64, 128)
     medusa_heads: int = 5
     memory_heads: int = 3
@@ -81,7 +88,8 @@ FULL = Plan(hidden=4096, layers=32, attention_heads=32, intermediate=11008, voca
             rounds=3, prompts=4, prompt_len=128, new_tokens=64, context=256, reps=10, tiny_limit=None,
             tiny_new_tokens=128)
 SMALL = Plan(hidden=64, layers=2, attention_heads=4, intermediate=192, vocab=512, batch=2, seq=32, steps=2, rounds=1,
-             prompts=2, prompt_len=16, new_tokens=12, context=32, reps=2, tiny_limit=2, tiny_new_tokens=16)
+             prompts=2, prompt_len=16, new_tokens=12, context=32, reps=2, tiny_limit=2, tiny_new_tokens=16,
+             drafter_prompts=(11, 7), drafter_new_tokens=12)
 
 
 def fail(message: str) -> NoReturn:
@@ -278,6 +286,84 @@ def engine_section(model: torch.nn.Module, plan: Plan, device: torch.device, see
     return check_engine(model, lm_head_heads(model, plan.medusa_heads), setup, progress.say)
 
 
+def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, progress: Progress) -> dict:
+    """Greedy identity of every drafter kind, loaded as a user loads it, on `device` (see the module docstring)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: after the package checks
+
+    from inference import load
+    from models.checkpoint import save_drafter
+    from models.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3, target_text_config
+    from models.medusa import MedusaConfig, MedusaHeads
+
+    config = LlamaConfig(vocab_size=plan.drafter_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    base = folder / "target"
+    target.save_pretrained(base)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=64, vocab_size=plan.drafter_vocab))
+    heads.init_from_base(target.lm_head)
+    save_drafter(folder / "medusa", heads, str(base))
+    save_eagle3(folder / "eagle3", close_eagle3(target, Eagle3Config, Eagle3Draft, target_text_config), str(base))
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for mine, theirs in zip(draft.parameters(), target.parameters()):
+            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
+    draft.save_pretrained(folder / "draft")
+    kinds = {"medusa": (folder / "medusa", None), "eagle3": (folder / "eagle3", None),
+             "eagle3_dynamic": (folder / "eagle3", "dynamic:10:4:3"), "draft_model": (folder / "draft", "chain:3"),
+             "prompt_lookup": ("prompt_lookup", None), "lookahead": ("lookahead", None), "jacobi": ("jacobi", None)}
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for row, length in enumerate(plan.drafter_prompts):  # a short pattern repeated: drafts find matches
+        pattern = torch.randint(3, plan.drafter_vocab, (row % 4 + 1,), generator=g).tolist()
+        prompts.append((pattern * length)[:length])
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        def run(path, tree=None, device_=device, **sampling):
+            engine = load(path, base=str(base), dtype="fp32", device=device_, tree=tree)
+            return engine.generate_ids(prompts, max_new_tokens=plan.drafter_new_tokens, **sampling)
+
+        plain = run(None)
+        on_cpu = run(None, device_="cpu")
+        results: dict[str, Any] = {
+            "prompts": len(prompts), "new_tokens": plan.drafter_new_tokens,
+            "plain_device_vs_cpu_identical_rows": sum(a == b for a, b in zip(plain.sequences, on_cpu.sequences))}
+        for name, (path, tree) in kinds.items():
+            progress.say(f"drafters: {name}")
+            out = run(path, tree)
+            sampled = run(path, tree, temperature=0.8, top_k=20, seed=seed)
+            results[name] = {
+                "identical_rows": sum(a == b for a, b in zip(out.sequences, plain.sequences)),
+                "tau": 1.0 + out.stats.mean_accepted, "target_forwards": out.stats.target_forwards,
+                "sampled_tokens": sampled.stats.new_tokens}
+        results["mismatched"] = [name for name in kinds if results[name]["identical_rows"] != len(prompts)]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    if results["mismatched"]:
+        raise AssertionError(f"greedy output differs from plain greedy decoding for {', '.join(results['mismatched'])}"
+                             f": {json.dumps({n: results[n] for n in results['mismatched']})}")
+    return results
+
+
+def close_eagle3(target: torch.nn.Module, config_cls, draft_cls, text_config) -> torch.nn.Module:
+    """An EAGLE-3 draft that predicts the target's own next token from its last layer's features (fc = identity, the
+    decoder layer adds nothing, lm_head = the target's), so drafts get accepted and the cache surgery of accepted
+    paths runs."""
+    text = text_config(target)
+    draft = draft_cls(config_cls(target=text, layers=(text["num_hidden_layers"],),
+                                 draft_vocab_size=text["vocab_size"])).eval().requires_grad_(False)
+    with torch.no_grad():
+        draft.fc.weight.copy_(torch.eye(text["hidden_size"]))
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        draft.lm_head.weight.copy_(target.get_output_embeddings().weight)
+        draft.norm.weight.fill_(1.0)
+    return draft
+
+
 def tiny_section(bundle: Path, out: Path, plan: Plan, device: torch.device) -> dict:
     from inference.cli import main as inference_main  # deferred: after the package checks
 
@@ -388,6 +474,10 @@ def main(argv: list[str]) -> int:
                                                                                results.get("train")))
             elif "nf4" in sections:
                 results["nf4"] = {"skipped": nf4_reason}
+    if "drafters" in sections:
+        with tempfile.TemporaryDirectory(prefix="gpu_check_drafters_") as scratch:
+            run_section("drafters", results, out, progress, lambda: drafters_section(Path(scratch), plan, device,
+                                                                                     args.seed, progress))
     if "tiny" in sections:
         if bundle is None:
             results["tiny"] = {"skipped": "no --tiny bundle given (make one with --pack-tiny)"}

@@ -72,6 +72,18 @@ def engine_lines(engine: Any) -> list[str]:
     return lines
 
 
+def drafter_lines(drafters: Any) -> list[str]:
+    lines = unavailable("drafters", drafters)
+    if lines:
+        return lines
+    kinds = [k for k, v in drafters.items() if isinstance(v, dict)]
+    rows = ", ".join(f"{k} {drafters[k]['identical_rows']}/{drafters['prompts']} (tau {drafters[k]['tau']:.2f})"
+                     for k in kinds)
+    return [f"drafters through inference.load, fp32, {drafters['prompts']} left-padded prompts x "
+            f"{drafters['new_tokens']} tokens, rows identical to plain greedy: {rows}; plain on the device vs on the "
+            f"CPU {drafters['plain_device_vs_cpu_identical_rows']}/{drafters['prompts']}"]
+
+
 def tiny_lines(tiny: Any) -> list[str]:
     lines = unavailable("tiny", tiny)
     if lines:
@@ -90,7 +102,8 @@ def format_report(results: dict[str, Any]) -> str:
             f"Llama hidden {p['hidden']} x {p['layers']} layers, vocab {p['vocab']}; {m['wall_s']:.0f} s")
     bad = [f"NaN or infinite, written as null: {', '.join(m['nonfinite'])}"] if m.get("nonfinite") else []
     return "\n".join([head, *bad, *train_lines(results.get("train"), results.get("nf4")),
-                      *engine_lines(results.get("engine")), *tiny_lines(results.get("tiny"))])
+                      *engine_lines(results.get("engine")), *drafter_lines(results.get("drafters")),
+                      *tiny_lines(results.get("tiny"))])
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def test_cpu_dry_run_measures_every_section(bundle, tmp_path):
     result = run_script("--device", "cpu", "--small", "--out", out, "--tiny", bundle)
     assert result.returncode == 0, result.stderr[-4000:]
     r = json.loads((out / "gpu_check.json").read_text())
-    assert set(r) == {"meta", "train", "nf4", "engine", "tiny"}
+    assert set(r) == {"meta", "train", "nf4", "engine", "drafters", "tiny"}
     plan = r["meta"]["plan"]
     assert r["meta"]["nonfinite"] == []
 
@@ -104,6 +104,15 @@ def test_cpu_dry_run_measures_every_section(bundle, tmp_path):
         assert counts["identical"] + counts["near_tie"] + counts["mismatch"] == plan["prompts"]
         assert counts["mismatch"] == 0
     assert all(d["near_tie"] for d in e["greedy_identity"]["divergences"])
+    assert e["dtype"] == "bfloat16"  # the run's dtype, not the one the identity check leaves the model in
+
+    # Every drafter kind through inference.load: all rows identical to plain greedy, some drafts accepted.
+    d = r["drafters"]
+    kinds = {"medusa", "eagle3", "eagle3_dynamic", "draft_model", "prompt_lookup", "lookahead", "jacobi"}
+    assert d["mismatched"] == [] and kinds <= set(d)
+    assert all(d[k]["identical_rows"] == d["prompts"] == len(plan["drafter_prompts"]) for k in kinds)
+    assert all(d[k]["sampled_tokens"] == d["prompts"] * d["new_tokens"] for k in kinds)
+    assert max(d[k]["tau"] for k in kinds) > 1.2
 
     # The tiny bench, through `python -m inference bench` on the bundle.
     s = r["tiny"]["summary"]
@@ -113,6 +122,7 @@ def test_cpu_dry_run_measures_every_section(bundle, tmp_path):
 
     report = (out / "gpu_check.txt").read_text()
     assert "greedy identity" in report and "tiny Medusa-1 bench" in report and "FAILED" not in report
+    assert "rows identical to plain greedy: medusa 2/2" in report
 
 
 @pytest.mark.parametrize("case", ["cuda", "out_parent", "bundle", "sections"])

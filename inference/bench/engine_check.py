@@ -128,7 +128,7 @@ def greedy_identity(model: torch.nn.Module, prompts: Sequence[list[int]], output
 def check_engine(model: torch.nn.Module, heads: MedusaHeads, setup: EngineSetup,
                  say: Callable[[str], None] = print) -> dict[str, Any]:
     """Sections 1-3 of the module docstring on `model` (left in setup.hi_dtype afterwards when any outputs differ)."""
-    device = input_device(model)
+    device, run_dtype = input_device(model), model.dtype  # the identity check may leave the model in hi_dtype
     topk = min(MEDUSA_TOPK, heads.config.vocab_size)
     num_heads = len(heads.heads)
     sizes = (1, *setup.tree_sizes)
@@ -157,7 +157,7 @@ def check_engine(model: torch.nn.Module, heads: MedusaHeads, setup: EngineSetup,
     say("engine: greedy identity (divergences re-run in high precision)")
     identity = greedy_identity(model, setup.prompts, outputs, pairs, setup.hi_dtype)
     return {
-        "dtype": str(model.dtype).removeprefix("torch."), "context": setup.context,
+        "dtype": str(run_dtype).removeprefix("torch."), "context": setup.context,
         "prompts": len(setup.prompts), "prompt_tokens": [len(p) for p in setup.prompts],
         "new_tokens": setup.new_tokens,
         "cost_ms": {str(k): s * 1e3 for k, s in zip(curve.sizes, curve.seconds)},
