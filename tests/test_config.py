@@ -33,6 +33,14 @@ def test_every_group_option_composes(group):
         OmegaConf.to_container(cfg, resolve=True)
 
 
+@pytest.mark.parametrize("model", available("model"))
+def test_bf16_targets_train_their_modules_in_bf16(model):
+    """A target loaded in bf16 (the GPU models) autocasts what it trains: fp32 heads over a 32k vocabulary made a
+    medusa1 step 2.5x slower on an H200 (docs/results.md). The CPU models keep fp32 (bf16 is slow on AVX2 hosts)."""
+    cfg = composed("method=medusa1", f"+model={model}")
+    assert cfg.training.bf16 == (cfg.model.dtype == "bf16")
+
+
 def test_vicuna_uses_hub_id_and_shipped_template():
     cfg = composed("method=medusa1", "+model=vicuna7b")
     assert cfg.model.path == "lmsys/vicuna-7b-v1.3"
