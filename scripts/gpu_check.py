@@ -292,7 +292,7 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
 
     from inference import load
     from models.checkpoint import save_drafter
-    from models.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3, target_text_config
+    from models.eagle3 import save_eagle3
     from models.medusa import MedusaConfig, MedusaHeads
 
     config = LlamaConfig(vocab_size=plan.drafter_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -305,7 +305,7 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=64, vocab_size=plan.drafter_vocab))
     heads.init_from_base(target.lm_head)
     save_drafter(folder / "medusa", heads, str(base))
-    save_eagle3(folder / "eagle3", close_eagle3(target, Eagle3Config, Eagle3Draft, target_text_config), str(base))
+    save_eagle3(folder / "eagle3", close_eagle3(target), str(base))
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for mine, theirs in zip(draft.parameters(), target.parameters()):
@@ -348,13 +348,15 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     return results
 
 
-def close_eagle3(target: torch.nn.Module, config_cls, draft_cls, text_config) -> torch.nn.Module:
+def close_eagle3(target: torch.nn.Module) -> torch.nn.Module:
     """An EAGLE-3 draft that predicts the target's own next token from its last layer's features (fc = identity, the
     decoder layer adds nothing, lm_head = the target's), so drafts get accepted and the cache surgery of accepted
     paths runs."""
-    text = text_config(target)
-    draft = draft_cls(config_cls(target=text, layers=(text["num_hidden_layers"],),
-                                 draft_vocab_size=text["vocab_size"])).eval().requires_grad_(False)
+    from models.eagle3 import Eagle3Config, Eagle3Draft, target_text_config  # deferred: after the package checks
+
+    text = target_text_config(target)
+    draft = Eagle3Draft(Eagle3Config(target=text, layers=(text["num_hidden_layers"],),
+                                     draft_vocab_size=text["vocab_size"])).eval().requires_grad_(False)
     with torch.no_grad():
         draft.fc.weight.copy_(torch.eye(text["hidden_size"]))
         draft.midlayer.self_attn.o_proj.weight.zero_()
