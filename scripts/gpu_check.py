@@ -291,6 +291,7 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: after the package checks
 
     from inference import load
+    from inference.bench.engine_check import lm_head_eagle3
     from models.checkpoint import save_drafter
     from models.eagle3 import save_eagle3
     from models.medusa import MedusaConfig, MedusaHeads
@@ -305,7 +306,7 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=64, vocab_size=plan.drafter_vocab))
     heads.init_from_base(target.lm_head)
     save_drafter(folder / "medusa", heads, str(base))
-    save_eagle3(folder / "eagle3", close_eagle3(target), str(base))
+    save_eagle3(folder / "eagle3", lm_head_eagle3(target), str(base))
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for mine, theirs in zip(draft.parameters(), target.parameters()):
@@ -346,24 +347,6 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
         raise AssertionError(f"greedy output differs from plain greedy decoding for {', '.join(results['mismatched'])}"
                              f": {json.dumps({n: results[n] for n in results['mismatched']})}")
     return results
-
-
-def close_eagle3(target: torch.nn.Module) -> torch.nn.Module:
-    """An EAGLE-3 draft that predicts the target's own next token from its last layer's features (fc = identity, the
-    decoder layer adds nothing, lm_head = the target's), so drafts get accepted and the cache surgery of accepted
-    paths runs."""
-    from models.eagle3 import Eagle3Config, Eagle3Draft, target_text_config  # deferred: after the package checks
-
-    text = target_text_config(target)
-    draft = Eagle3Draft(Eagle3Config(target=text, layers=(text["num_hidden_layers"],),
-                                     draft_vocab_size=text["vocab_size"])).eval().requires_grad_(False)
-    with torch.no_grad():
-        draft.fc.weight.copy_(torch.eye(text["hidden_size"]))
-        draft.midlayer.self_attn.o_proj.weight.zero_()
-        draft.midlayer.mlp.down_proj.weight.zero_()
-        draft.lm_head.weight.copy_(target.get_output_embeddings().weight)
-        draft.norm.weight.fill_(1.0)
-    return draft
 
 
 def tiny_section(bundle: Path, out: Path, plan: Plan, device: torch.device) -> dict:

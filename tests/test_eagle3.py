@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
+from inference.bench.engine_check import lm_head_eagle3
 from inference.drafters.eagle3 import (Candidates, DynamicTree, Eagle3Drafter, default_tree, eagle3_tree,
                                        plan_levels)
 from inference.engine.cache import additive
@@ -19,7 +20,7 @@ from inference.engine.tree import TreeError, build_tree
 from inference.engine.verify import SamplingParams
 from models.checkpoint import CheckpointError, DrafterMismatchError, WEIGHTS_NAME
 from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_eagle3_checkpoint, default_layers,
-                           load_eagle3, save_eagle3, target_text_config)
+                           load_eagle3, save_eagle3)
 from tests.conftest import build_tiny_lm, tiny_config
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
@@ -39,19 +40,9 @@ def random_draft(arch: str = "llama", layers=(1, 2), draft_vocab: int = 64, seed
 
 
 def close_draft(model: torch.nn.Module) -> Eagle3Draft:
-    """A draft that predicts, at every depth, the target's own next token from its last features: the fused feature
-    is the final-norm state (fc = identity), the layer adds nothing (o_proj and down_proj zero), and lm_head is the
-    target's. On the repetitive tiny targets it is often right, so trees get accepted paths."""
-    text = target_text_config(model)
-    config = Eagle3Config(target=text, layers=(text["num_hidden_layers"],), draft_vocab_size=text["vocab_size"])
-    draft = Eagle3Draft(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        draft.fc.weight.copy_(torch.eye(text["hidden_size"]))
-        draft.midlayer.self_attn.o_proj.weight.zero_()
-        draft.midlayer.mlp.down_proj.weight.zero_()
-        draft.lm_head.weight.copy_(model.get_output_embeddings().weight)
-        draft.norm.weight.fill_(1.0)
-    return draft
+    """A draft that predicts, at every depth, the target's own next token from its last features: on the repetitive
+    tiny targets it is often right, so trees get accepted paths."""
+    return lm_head_eagle3(model)
 
 
 # --- the draft model ------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from inference.engine.devices import input_device
 from inference.engine.drafter import NoDrafter
 from inference.engine.tree import greedy_tree_choices, load_tree
 from models.backbone import final_hidden
+from models.eagle3 import Eagle3Config, Eagle3Draft, target_text_config
 from models.medusa import MedusaConfig, MedusaHeads
 
 GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, acceptance="exact")
@@ -59,6 +60,23 @@ def lm_head_heads(model: torch.nn.Module, num_heads: int) -> MedusaHeads:
         heads = MedusaHeads(MedusaConfig(num_heads=num_heads, num_layers=1, hidden_size=hidden, vocab_size=vocab))
     heads.init_from_base(lm_head)
     return heads.to(lm_head.weight.dtype).eval().requires_grad_(False)
+
+
+def lm_head_eagle3(model: torch.nn.Module) -> Eagle3Draft:
+    """An untrained EAGLE-3 draft that proposes the target's own next token from its last layer's features at every
+    depth (fc = identity over that one layer, the decoder layer adds nothing, lm_head and a unit norm = the target's),
+    in fp32 on the CPU (a drafter checkpoint's form): right wherever the target's greedy output repeats a token, so
+    drafts get accepted and the accepted-path cache surgery runs."""
+    text = target_text_config(model)
+    config = Eagle3Config(target=text, layers=(text["num_hidden_layers"],), draft_vocab_size=text["vocab_size"])
+    draft = Eagle3Draft(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        draft.fc.weight.copy_(torch.eye(text["hidden_size"]))
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        draft.lm_head.weight.copy_(model.get_output_embeddings().weight)
+        draft.norm.weight.fill_(1.0)
+    return draft
 
 
 def decode_all(runner: Runner, prompts: Sequence[list[int]], new_tokens: int, seed: int) -> list[Answer]:
