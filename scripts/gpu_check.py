@@ -290,11 +290,11 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     """Greedy identity of every drafter kind, loaded as a user loads it, on `device` (see the module docstring)."""
     from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: after the package checks
 
-    from inference import load
-    from inference.bench.engine_check import lm_head_eagle3
-    from models.checkpoint import save_drafter
-    from models.eagle3 import save_eagle3
-    from models.medusa import MedusaConfig, MedusaHeads
+    from inference import load  # deferred: after the package checks
+    from inference.bench.engine_check import lm_head_eagle3  # deferred: after the package checks
+    from models.checkpoint import save_drafter  # deferred: after the package checks
+    from models.eagle3 import save_eagle3  # deferred: after the package checks
+    from models.medusa import MedusaConfig, MedusaHeads  # deferred: after the package checks
 
     config = LlamaConfig(vocab_size=plan.drafter_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
