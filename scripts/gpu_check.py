@@ -291,10 +291,9 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: after the package checks
 
     from inference import load  # deferred: after the package checks
-    from inference.bench.engine_check import lm_head_eagle3  # deferred: after the package checks
+    from inference.bench.engine_check import lm_head_eagle3, lm_head_heads  # deferred: after the package checks
     from models.checkpoint import save_drafter  # deferred: after the package checks
     from models.eagle3 import save_eagle3  # deferred: after the package checks
-    from models.medusa import MedusaConfig, MedusaHeads  # deferred: after the package checks
 
     config = LlamaConfig(vocab_size=plan.drafter_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -303,9 +302,7 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
     base = folder / "target"
     target.save_pretrained(base)
-    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=64, vocab_size=plan.drafter_vocab))
-    heads.init_from_base(target.lm_head)
-    save_drafter(folder / "medusa", heads, str(base))
+    save_drafter(folder / "medusa", lm_head_heads(target, 3), str(base))
     save_eagle3(folder / "eagle3", lm_head_eagle3(target), str(base))
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -323,19 +320,21 @@ def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, 
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        def run(path, tree=None, device_=device, **sampling):
-            engine = load(path, base=str(base), dtype="fp32", device=device_, tree=tree)
-            return engine.generate_ids(prompts, max_new_tokens=plan.drafter_new_tokens, **sampling)
+        def engine(path, tree=None, device_=device):
+            return load(path, base=str(base), dtype="fp32", device=device_, tree=tree)
 
-        plain = run(None)
-        on_cpu = run(None, device_="cpu")
+        def run(loaded, **sampling):
+            return loaded.generate_ids(prompts, max_new_tokens=plan.drafter_new_tokens, **sampling)
+
+        plain = run(engine(None))
+        on_cpu = run(engine(None, device_="cpu"))
         results: dict[str, Any] = {
             "prompts": len(prompts), "new_tokens": plan.drafter_new_tokens,
             "plain_device_vs_cpu_identical_rows": sum(a == b for a, b in zip(plain.sequences, on_cpu.sequences))}
         for name, (path, tree) in kinds.items():
             progress.say(f"drafters: {name}")
-            out = run(path, tree)
-            sampled = run(path, tree, temperature=0.8, top_k=20, seed=seed)
+            loaded = engine(path, tree)
+            out, sampled = run(loaded), run(loaded, temperature=0.8, top_k=20, seed=seed)
             results[name] = {
                 "identical_rows": sum(a == b for a, b in zip(out.sequences, plain.sequences)),
                 "tau": 1.0 + out.stats.mean_accepted, "target_forwards": out.stats.target_forwards,

@@ -39,12 +39,6 @@ def random_draft(arch: str = "llama", layers=(1, 2), draft_vocab: int = 64, seed
     return draft.eval()
 
 
-def close_draft(model: torch.nn.Module) -> Eagle3Draft:
-    """A draft that predicts, at every depth, the target's own next token from its last features: on the repetitive
-    tiny targets it is often right, so trees get accepted paths."""
-    return lm_head_eagle3(model)
-
-
 # --- the draft model ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -160,7 +154,7 @@ def test_greedy_output_is_plain_greedy(tiny_lm, tree_name):
     tree = (build_tree(TREES[tree_name], num_heads=3, topk=3) if tree_name in TREES
             else eagle3_tree(tree_name, [], "cpu", draft_vocab=64))
     embed = tiny_lm.get_input_embeddings()
-    close = generate(tiny_lm, ids, Eagle3Drafter(close_draft(tiny_lm), tree, embed), config, attention_mask=mask)
+    close = generate(tiny_lm, ids, Eagle3Drafter(lm_head_eagle3(tiny_lm), tree, embed), config, attention_mask=mask)
     assert close.sequences == plain
     assert close.stats.mean_accepted > 0.1, close.stats.accepted
     far = generate(tiny_lm, ids, Eagle3Drafter(random_draft(), tree, embed), config, attention_mask=mask)
@@ -235,7 +229,7 @@ def test_sampled_decoding_runs_batched():
     tests/test_lossless_exact.py covers their law), left-padded, one generator: the same seed, the same tokens."""
     model = build_tiny_lm("llama")
     ids, mask = left_pad(repetitive_prompts(5, 2))
-    drafter = lambda: Eagle3Drafter(close_draft(model), build_tree(TREES["branching"], 3, 3),  # noqa: E731
+    drafter = lambda: Eagle3Drafter(lm_head_eagle3(model), build_tree(TREES["branching"], 3, 3),  # noqa: E731
                                     model.get_input_embeddings())
     config = DecodeConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.8))
     runs = [generate(model, ids, drafter(), config, attention_mask=mask, generator=torch.Generator().manual_seed(3))
@@ -309,6 +303,6 @@ def test_build_tree_times_eagle3_drafting_per_depth(tiny_lm):
     pairs and drafts it appended, or later depths would time a growing cache)."""
     from inference.bench.tree_fit import measure_eagle3_cost
 
-    drafter = Eagle3Drafter(close_draft(tiny_lm), build_tree(TREES["chain"], 3, 1), tiny_lm.get_input_embeddings())
+    drafter = Eagle3Drafter(lm_head_eagle3(tiny_lm), build_tree(TREES["chain"], 3, 1), tiny_lm.get_input_embeddings())
     costs = measure_eagle3_cost(drafter, tiny_lm, context=12, topk=3, reps=2, max_depth=3)
     assert len(costs) == 3 and all(c > 0 for c in costs)

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from inference.bench.engine_check import lm_head_eagle3
 from inference.drafters.draft_model import DraftModelDrafter
 from inference.drafters.eagle3 import DynamicTree, Eagle3Drafter
 from inference.drafters.jacobi import JacobiDrafter, JacobiOptions
@@ -23,7 +24,6 @@ from inference.engine.tree import build_tree
 from inference.engine.verify import SamplingParams, VerifyResult, target_probs
 from tests.conftest import build_tiny_lm
 from tests.test_draft_model import left_pad, noisy_copy
-from tests.test_eagle3 import close_draft
 from tests.test_generate import random_heads
 from tests.test_lookahead import repetitive_prompts
 
@@ -73,8 +73,8 @@ def drafter_kinds(model: torch.nn.Module) -> dict[str, Drafter]:
         "prompt-lookup": PromptLookupDrafter(max_ngram=3, num_draft=4),
         "lookahead": LookaheadDrafter(draft_nodes=6, branch_length=3, max_prefix=3),
         "jacobi": JacobiDrafter(JacobiOptions(block_size=4, init="repeat")),
-        "eagle3": Eagle3Drafter(close_draft(model), tree, model.get_input_embeddings()),
-        "eagle3-dynamic": Eagle3Drafter(close_draft(model), DynamicTree(num_nodes=10, depth=4, topk=3),
+        "eagle3": Eagle3Drafter(lm_head_eagle3(model), tree, model.get_input_embeddings()),
+        "eagle3-dynamic": Eagle3Drafter(lm_head_eagle3(model), DynamicTree(num_nodes=10, depth=4, topk=3),
                                         model.get_input_embeddings()),
     }
 
