@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("matplotlib")
 
 from inference.bench.plots import (  # noqa: E402
+    ScalingPoint,
     accept_hist_figure,
     bench_summary_figure,
+    data_scaling_figure,
     head_accuracy_figure,
     plot_accept_hist,
     plot_bench_summary,
     plot_head_accuracy,
+    read_scaling_points,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -83,3 +90,51 @@ def test_bench_summary(tmp_path):
     assert_png(plot_bench_summary(summary, tmp_path / "bench.png"))
     with pytest.raises(ValueError, match=r"summary\['math'\]\['speedup'\]"):
         bench_summary_figure({"math": {"tau": 2.0}})
+
+
+SCALING_CSV = """series,train_tokens,tau_16,top1_depth1,host
+"EAGLE-3, own answers",1000000,1.89,0.43,E
+"EAGLE-3, own answers",300000,1.73,0.31,E
+Medusa-1,300000,1.58,0.23,D
+"""
+
+
+def test_data_scaling(tmp_path):
+    path = tmp_path / "points.csv"
+    path.write_text(SCALING_CSV)
+    points = read_scaling_points(path)
+    assert points[0] == ScalingPoint("EAGLE-3, own answers", 1_000_000, 1.89, 0.43)
+    fig = data_scaling_figure(points)
+    ax_tau, ax_top1 = fig.axes
+    eagle, medusa = ax_tau.get_lines()
+    assert list(eagle.get_xdata()) == [300000, 1000000] and list(eagle.get_ydata()) == [1.73, 1.89]  # sorted by tokens
+    assert list(medusa.get_ydata()) == [1.58]
+    assert list(ax_top1.get_lines()[0].get_ydata()) == [0.31, 0.43]
+    assert [t.get_text() for t in ax_tau.get_xticklabels()] == ["0.3M", "0.5M", "1M"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("series,train_tokens,tau_16\nA,1,1.5\n", r"points.csv:1: missing column\(s\) top1_depth1"),
+    ("series,train_tokens,tau_16,top1_depth1\nA,1,1.5,0.2\nB,lots,1.5,0.2\n", r"points.csv:3: column train_tokens: expected a int, got 'lots'"),
+    ("series,train_tokens,tau_16,top1_depth1\nA,1,1.5,1.2\n", r"points.csv:2: column top1_depth1: 1.2 is outside"),
+    ("series,train_tokens,tau_16,top1_depth1\n,1,1.5,0.2\n", r"points.csv:2: column series: empty"),
+    ("series,train_tokens,tau_16,top1_depth1\n", r"points.csv: no rows"),
+])
+def test_data_scaling_bad_rows_name_file_line_and_column(tmp_path, text, message):
+    path = tmp_path / "points.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        read_scaling_points(path)
+
+
+def test_data_scaling_script_writes_the_docs_figure_from_the_docs_points(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "scripts" / "plot_data_scaling.py")]
+    out = tmp_path / "scaling.png"
+    done = subprocess.run([*script, str(root / "docs" / "figures" / "data_scaling.csv"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "10 points, 4 series" in done.stdout
+    assert_png(out)
+    missing = subprocess.run([*script, str(tmp_path / "missing.csv")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "missing.csv" in missing.stderr and missing.stderr.count("\n") == 1

@@ -1,4 +1,4 @@
-"""Figures for reports: per-head accuracy, accepted-length histogram, benchmark summary.
+"""Figures for reports: per-head accuracy, accepted-length histogram, benchmark summary, τ against train tokens.
 
 Needs matplotlib (`pip install 'draftsmith[plots]'`). Figures are built as `matplotlib.figure.Figure` objects, without
 pyplot, so no global figure state or GUI backend is involved. Each `*_figure` function builds the figure (inspectable
@@ -12,6 +12,7 @@ import numbers
 import os
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -136,3 +137,86 @@ def bench_summary_figure(summary: Mapping[str, Mapping[str, float]]) -> "Figure"
 
 def plot_bench_summary(summary: Mapping[str, Mapping[str, float]], path: str | os.PathLike) -> Path:
     return save(bench_summary_figure(summary), path)
+
+
+@dataclass(frozen=True)
+class ScalingPoint:
+    """One trained drafter: its series (drafter and data), train tokens, τ with a 16-node tree in the engine and its
+    depth-1 (head-1) greedy top-1 on the target's continuations of held-out prompts."""
+
+    series: str
+    train_tokens: int
+    tau: float
+    top1: float
+
+
+SCALING_COLUMNS = ("series", "train_tokens", "tau_16", "top1_depth1")
+
+
+def read_scaling_points(path: str | os.PathLike) -> list[ScalingPoint]:
+    """The points of a CSV with SCALING_COLUMNS (others, such as host and source, are kept for readers, not read);
+    a bad row raises ValueError naming its file, line and column."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in SCALING_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}:1: missing column(s) {', '.join(missing)} (needs {', '.join(SCALING_COLUMNS)})")
+        points = [_scaling_point(row, f"{path}:{reader.line_num}") for row in reader]
+    if not points:
+        raise ValueError(f"{path}: no rows")
+    return points
+
+
+def _scaling_point(row: Mapping[str, str], where: str) -> ScalingPoint:
+    def number(column: str, kind: type, low: float, high: float) -> Any:
+        text = (row.get(column) or "").strip()
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"{where}: column {column}: expected a {kind.__name__}, got {text!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"{where}: column {column}: {value} is outside [{low}, {high}]")
+        return value
+
+    series = (row.get("series") or "").strip()
+    if not series:
+        raise ValueError(f"{where}: column series: empty")
+    return ScalingPoint(series, number("train_tokens", int, 1, math.inf), number("tau_16", float, 1.0, 1e3),
+                        number("top1_depth1", float, 0.0, 1.0))
+
+
+def data_scaling_figure(points: Sequence[ScalingPoint]) -> "Figure":
+    """Two panels against train tokens (log scale), one line per series in order of first appearance: τ at 16 nodes
+    and depth-1 greedy top-1, each point labelled with its value."""
+    if not points:
+        raise ValueError("no data-scaling points")
+    series: dict[str, list[ScalingPoint]] = {}
+    for point in points:
+        series.setdefault(point.series, []).append(point)
+    from matplotlib.ticker import NullFormatter  # deferred: matplotlib, an optional extra (new_figure says so)
+
+    fig = new_figure(9.0, 3.8)
+    low, high = min(p.train_tokens for p in points), max(p.train_tokens for p in points)
+    ticks = [t for t in (m * 10**e for e in range(3, 13) for m in (1, 2, 3, 5)) if low / 1.2 <= t <= high * 1.2]
+    ax_tau, ax_top1 = fig.subplots(1, 2)
+    for ax, key, title in ((ax_tau, "tau", "τ, 16-node tree (engine)"), (ax_top1, "top1", "depth-1 greedy top-1")):
+        for name, rows in series.items():
+            rows = sorted(rows, key=lambda p: p.train_tokens)
+            xs, ys = [p.train_tokens for p in rows], [getattr(p, key) for p in rows]
+            ax.plot(xs, ys, marker="o", label=name)
+            for x, y in zip(xs, ys):
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, [f"{t / 1e6:g}M" for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("train tokens")
+        ax.set_title(title, fontsize=10)
+        ax.margins(y=0.15)
+    ax_tau.legend(fontsize=7)
+    return fig
+
+
+def plot_data_scaling(points: Sequence[ScalingPoint], path: str | os.PathLike) -> Path:
+    return save(data_scaling_figure(points), path)
