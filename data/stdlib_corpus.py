@@ -1,9 +1,9 @@
 """The offline default corpus: the running interpreter's own standard-library source.
 
-Every Python install carries ~10 MB of real, reviewed code and docstrings, so the built-in tiny models (models.tiny)
-train without touching the network. Included: the `.py` files under `sysconfig.get_paths()["stdlib"]`, minus tests,
-third-party packages and machine-generated tables (see `_is_excluded`). Files are read as UTF-8 with undecodable
-bytes replaced.
+Every Python install carries ~10 MB of real, reviewed code and docstrings, so the built-in tiny models
+(train.tiny_build) train without touching the network. Included: the `.py` files under
+`sysconfig.get_paths()["stdlib"]`, minus tests, third-party packages and machine-generated tables (see `_is_excluded`).
+Files are read as UTF-8 with undecodable bytes replaced.
 
 Split contract: a file's split depends only on its path relative to the stdlib root (a SHA-256 bucket), so the split is
 stable across runs and machines and no file is in both splits; `VALIDATION_PERCENT` of the buckets are validation.

@@ -1,15 +1,15 @@
-"""The models draftsmith provides itself, built by name, and the settings every loader shares.
+"""The models draftsmith provides itself, located by name, and the settings every loader shares.
 
-`BUILDERS` maps each built-in name to the step that makes it: the tiny models it builds offline (models.tiny) and the
-SmolLM2-135M-Instruct chat model it converts from a GGUF once (models.smollm2). A builder takes no string to parse:
-models.refs turns "builtin:<name>" into a BuiltinRef (refusing unknown names) and calls BUILDERS[name]. Building is
-an explicit step (`python scripts/build_tiny_models.py`); locating a tiny model that was never built runs that step
-once, after saying so on stderr.
+`BUILTINS` maps each built-in name to the function that gives its directory: the tiny models (models.tiny), found
+where their build left them, and the SmolLM2-135M-Instruct chat model, converted from a GGUF once on first use
+(models.smollm2). None takes a string to parse: models.refs turns "builtin:<name>" into a BuiltinRef (refusing
+unknown names) and calls BUILTINS[name]. Building a tiny model is training (train/tiny_build.py), which models/ never
+runs: locating one that was never built fails at once, with one line naming the step that builds it
+(`python scripts/build_tiny_models.py`, or any `python -m train` command that uses it).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -50,14 +50,14 @@ def has_tokenizer(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def build_tiny(name: str) -> Path:
-    """The directory of tiny model `name` (a key of tiny.BUILTIN_MODELS), built here, once, when it never was, after a
-    line on stderr naming the explicit build step (tokenizer, pretraining and chat fine-tuning: minutes, not
-    seconds)."""
+def locate_tiny(name: str) -> Path:
+    """The directory of the built tiny model `name` (a key of tiny.BUILTIN_MODELS). ModelLoadError when it was never
+    built (or by an older recipe): building takes minutes of training, which is not a loader's to start."""
     if not tiny.is_built(name):
-        print(f"builtin:{name} is not built yet: building it now, once (about 13 minutes on 2 CPU cores; "
-              f"`python scripts/build_tiny_models.py` is the same step on its own)", file=sys.stderr, flush=True)
-    return tiny.ensure_built(name)
+        raise ModelLoadError(f"builtin:{name} is not built: run `{tiny.BUILD_COMMAND}` once ({tiny.BUILD_TIME}), or "
+                             f"any `python -m train` command that uses it (e.g. +model=tiny, or tiny-draft as "
+                             f"method.draft), which builds it first")
+    return tiny.model_dir(name)
 
 
 def build_smollm2() -> Path:
@@ -68,7 +68,7 @@ def build_smollm2() -> Path:
         raise ModelLoadError(str(e)) from None
 
 
-BUILDERS: dict[str, Callable[[], Path]] = {
-    **{name: partial(build_tiny, name) for name in tiny.BUILTIN_MODELS},
+BUILTINS: dict[str, Callable[[], Path]] = {
+    **{name: partial(locate_tiny, name) for name in tiny.BUILTIN_MODELS},
     smollm2.NAME: build_smollm2,
 }

@@ -3,7 +3,7 @@ ModelRef is located here, by one function.
 
     ./runs/x  /abs  ~/m  a/b/c    LocalRef     written as a path, or the name of an existing file or folder
                                                 (data.locations.is_local: the one "is it local" rule)
-    builtin:<name>                BuiltinRef   a model draftsmith builds itself (models.builtin.BUILDERS)
+    builtin:<name>                BuiltinRef   a model draftsmith makes itself (models.builtin.BUILTINS)
     early_exit:<model>:<N>        EarlyExitRef the first N decoder layers of <model> (any other model name but an
                                                 early-exit one), cut once into the cache (models.early_exit)
     <name> of conf/model          ConfRef      that config's model, dtype and chat_template ("tiny", "smollm2")
@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from data.cache import cache_root
 from data.locations import is_local
-from models.builtin import BUILDERS, ModelLoadError
+from models.builtin import BUILTINS, ModelLoadError
 from models.buildcache import hub_snapshot
 from models.early_exit import ensure_early_exit
 
@@ -70,7 +70,7 @@ class HubRef(ModelRef):
 
 @dataclass(frozen=True)
 class BuiltinRef(ModelRef):
-    name: str  # a key of models.builtin.BUILDERS
+    name: str  # a key of models.builtin.BUILTINS
 
     def __str__(self) -> str:
         return BUILTIN_PREFIX + self.name
@@ -154,9 +154,21 @@ def at_revision(ref: ModelRef, revision: str | None) -> ModelRef:
     return ref
 
 
+def builtin_names(ref: ModelRef) -> list[str]:
+    """The built-in models `ref` rests on: the one it names, a conf/model name's, or an early-exit draft's source's
+    (so a training run can build them before anything locates them: train.task)."""
+    if isinstance(ref, BuiltinRef):
+        return [ref.name]
+    if isinstance(ref, ConfRef):
+        return builtin_names(ref.model)
+    if isinstance(ref, EarlyExitRef):
+        return builtin_names(ref.source)
+    return []
+
+
 def _builtin(name: str) -> BuiltinRef:
-    if name not in BUILDERS:
-        choices = ", ".join(BUILTIN_PREFIX + n for n in BUILDERS)
+    if name not in BUILTINS:
+        choices = ", ".join(BUILTIN_PREFIX + n for n in BUILTINS)
         raise ModelLoadError(f"unknown built-in model {BUILTIN_PREFIX + name!r}; choose one of {choices}")
     return BuiltinRef(name)
 
@@ -251,7 +263,7 @@ def locate_early_exit(ref: EarlyExitRef) -> Path:
 
 
 LOCATORS: dict[type, Callable[[ModelRef], Path]] = {
-    BuiltinRef: lambda ref: BUILDERS[ref.name](),
+    BuiltinRef: lambda ref: BUILTINS[ref.name](),
     EarlyExitRef: locate_early_exit,
     ConfRef: lambda ref: locate(ref.model),
     HubRef: locate_hub,

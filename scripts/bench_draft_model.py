@@ -12,7 +12,7 @@ prompt, after one warm-up pass of each.
 A config is TREE[@STOP]: TREE as `inference.load(tree=)` (chain:<n>, branches:<k>x<n>), STOP as `draft_stop=`
 (fixed, confidence:<t>, learned[:<t>]; learned needs a checkpoint from `python -m train stopper`).
 Prompts: MT-bench first turns from ../shared/data/mt_bench/question.jsonl when present, else built-in questions.
-Built-in models are used only when already built (models.tiny.is_complete): this script never builds them.
+Built-in models are used only when already built (models.tiny.is_built): this script never builds them.
 """
 
 from __future__ import annotations

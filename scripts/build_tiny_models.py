@@ -15,9 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.tiny import (  # noqa: E402
-    BUILTIN_MODELS, TOKENIZER_DIR, cache_root, ensure_built, ensure_tokenizer, load_build_info,
-)
+from models.tiny import BUILTIN_MODELS, models_dir  # noqa: E402
+from train.tiny_build import TOKENIZER_DIR, ensure_built, ensure_tokenizer, load_build_info  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
     parser.add_argument("--cache-dir", type=Path, help="cache root (default: $DRAFTSMITH_CACHE or the user cache dir)")
     args = parser.parse_args(argv)
-    root = args.cache_dir if args.cache_dir is not None else cache_root()
     names = (args.only,) if args.only else BUILTIN_MODELS
     start = time.perf_counter()
     if args.force and args.only is None:
-        ensure_tokenizer(root / "models" / TOKENIZER_DIR, force=True)
+        ensure_tokenizer(models_dir(args.cache_dir) / TOKENIZER_DIR, force=True)
     for name in names:
-        path = ensure_built(name, progress=True, cache_dir=root, force=args.force)
+        path = ensure_built(name, progress=True, cache_dir=args.cache_dir, force=args.force)
         info = load_build_info(path)
         print(f"{name}: {path}")
         print(f"  params {info.params:,}  steps {info.pretrain_steps}+{info.sft_steps}  tokens {info.tokens_seen:,}"

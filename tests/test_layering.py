@@ -261,6 +261,27 @@ def test_function_local_project_imports_are_justified() -> None:
     assert unjustified == []
 
 
+def training_steps(source: str) -> list[int]:
+    """Lines that train something: an optimizer built from `torch.optim` or a `.backward()` call."""
+    steps = []
+    for node in ast.walk(ast.parse(source)):
+        optimizer = (isinstance(node, ast.Attribute) and node.attr == "optim" and isinstance(node.value, ast.Name)
+                     and node.value.id == "torch")
+        backward = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "backward")
+        if optimizer or backward:
+            steps.append(node.lineno)
+    return sorted(set(steps))
+
+
+def test_training_lives_in_train() -> None:
+    """Below train/ nothing trains: the built-in tiny models' builder is train.tiny_build, and models/ only locates
+    what it built (models.tiny). The reader is not vacuous: it finds both kinds of step in a planted snippet."""
+    assert training_steps("import torch\nopt = torch.optim.AdamW(ps)\nloss.backward()\n") == [2, 3]
+    below_train = {m: p for m, p in module_files().items() if layer(m) < LAYERS["train"]}
+    assert {m: lines for m, p in below_train.items() if (lines := training_steps(p.read_text()))} == {}
+
+
 def test_rule_sees_a_planted_upward_import(tmp_path: Path) -> None:
     """The reader is not vacuous: an upward and a cyclic import written into a file are both found."""
     path = tmp_path / "planted.py"

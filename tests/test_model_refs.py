@@ -12,12 +12,14 @@ import pytest
 
 from data.errors import UsageError
 from data.locations import is_local, written_as_path
+from inference.cli import main as inference_main
 from inference.drafters.registry import CLI, resolve
+from inference.session import EXIT_USAGE
 from models import refs
 from models.builtin import ModelLoadError
 from models.loading import model_config
-from models.refs import (BuiltinRef, ConfRef, EarlyExitRef, HubRef, LocalRef, ModelSettings, at_revision, locate,
-                         model_settings, parse_model)
+from models.refs import (BuiltinRef, ConfRef, EarlyExitRef, HubRef, LocalRef, ModelSettings, at_revision,
+                         builtin_names, locate, model_settings, parse_model)
 from tests.model_support import save_tiny_model
 
 
@@ -119,13 +121,36 @@ def test_locate_builds_once_per_cache_root(tmp_path, monkeypatch):
         built.append(refs.cache_root())
         return tmp_path / "built"
 
-    monkeypatch.setitem(refs.BUILDERS, "tiny", fake_build)
+    monkeypatch.setitem(refs.BUILTINS, "tiny", fake_build)
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "one"))
     assert locate("builtin:tiny") == locate(BuiltinRef("tiny")) == locate("tiny") == tmp_path / "built"
     assert len(built) == 1
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "two"))
     locate("builtin:tiny")
     assert built == [tmp_path / "one", tmp_path / "two"]
+
+
+def test_a_tiny_model_never_built_is_refused_in_one_line_naming_its_build_step(tmp_path, monkeypatch, capsys):
+    """models/ does not train: locating a tiny model in an empty cache fails at once, writes nothing into the cache
+    (a build would lock and stage there first), and `python -m inference` prints that one line."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match=r"^builtin:tiny is not built: run `python scripts/build_tiny_models\.py` "
+                                             r"once \(about 13 minutes on 2 CPU cores\), or any `python -m train` "
+                                             r"command that uses it .*, which builds it first$"):
+        locate("tiny")
+    assert inference_main(["generate", "--base", "builtin:tiny-draft", "--prompt", "hi"]) == EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert "builtin:tiny-draft is not built: run `python scripts/build_tiny_models.py` once" in err[0]
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("name, names", [
+    ("builtin:tiny", ["tiny"]), ("tiny", ["tiny"]), ("early_exit:tiny-draft:2", ["tiny-draft"]),
+    ("smollm2-draft", ["smollm2"]), ("org/name", []), ("early_exit:org/name:2", []), ("/abs/model", []),
+])
+def test_builtin_names_follow_conf_names_and_early_exit_sources(name, names):
+    assert builtin_names(parse_model(name)) == names
 
 
 def test_an_early_exit_source_that_is_missing_is_named_with_the_whole_name():

@@ -1,6 +1,7 @@
-"""The training task (`python -m train <method>`): check everything, load the target, build the data, train with the
-HF Trainer (train.trainer), evaluate, save. A method (train/<name>.py) only says which modules train and how a batch
-becomes a loss (train.method); this module stays free of method branches.
+"""The training task (`python -m train <method>`): check everything, build the built-in tiny models it uses that were
+never built (train.tiny_build), load the target, build the data, train with the HF Trainer (train.trainer), evaluate,
+save. A method (train/<name>.py) only says which modules train and how a batch becomes a loss (train.method); this
+module stays free of method branches.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from data.datasets import SplitDatasets, build_datasets
 from data.features import FeatureCollator, FeatureDataset, check_cache, read_prompts
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import check_nf4_on_cpu, load_target, load_tokenizer, places_on_cpu
+from models.refs import builtin_names, parse_model
+from models.tiny import BUILD_COMMAND, BUILD_TIME, BUILTIN_MODELS, is_built
 from train.checks import check_values
 from train.distributed import deepspeed_settings, is_main_process
 from train.logger import configure_logger
@@ -27,10 +30,12 @@ from train.method import ChecksInputs, CountsLabels, ProvidesData, ReadsFeatures
 from train.prompts import prompt_ids
 from train.resume import check_resume, resolve_resume
 from train.self_distill import trainer_datasets
+from train.tiny_build import ensure_built
 from train.trainer import (TRAINER_CHECKPOINTS, DraftTrainer, LossModule, TimeBudget, TrimHeap, glibc, throughput,
                            training_arguments)
 
 log = logging.getLogger("draftsmith")
+MODEL_KEYS = ("model.path", "method.draft")  # the settings that name a model (train.config)
 
 
 @dataclass(frozen=True)
@@ -66,12 +71,28 @@ def feature_cache(cfg: DictConfig, tokenizer: Any, method: TrainMethod) -> Cache
     )
 
 
+def build_tiny_models(cfg: DictConfig) -> None:
+    """Build each built-in tiny model the run uses (a MODEL_KEYS setting names it, directly, as a conf/model name or
+    as an early-exit source) that was never built, after one line on stderr: models/ only locates built ones
+    (models.builtin), so the training entry point builds them. Every process of a launch calls this; the build lock
+    lets one build while the others wait, and only the main process prints the line."""
+    settings = [OmegaConf.select(cfg, key) for key in MODEL_KEYS]
+    named = {name for model in settings if model for name in builtin_names(parse_model(model))}
+    for name in BUILTIN_MODELS:
+        if name in named and not is_built(name):
+            if is_main_process():
+                print(f"builtin:{name} is not built yet: building it now, once ({BUILD_TIME}; `{BUILD_COMMAND}` is "
+                      f"the same step on its own)", file=sys.stderr, flush=True)
+            ensure_built(name)
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Hydra task: set up, train, evaluate, save. Returns the final metrics.
 
     Everything a user gave is checked before the expensive work: values and combinations, the resumed checkpoint
-    against this config, the 4-bit layers' shapes, cross-file inputs (ChecksInputs), then every data record; only
-    then does the target load and the data get generated (self-distillation) or trained on."""
+    against this config; then any built-in tiny model the run uses is built if it never was (the checks that follow
+    read the models' files); then the 4-bit layers' shapes, cross-file inputs (ChecksInputs), then every data record;
+    only then does the target load and the data get generated (self-distillation) or trained on."""
     check_values(cfg)  # again for each job of a multirun, whose values were not checked before Hydra started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     set_seed(cfg.seed)
@@ -80,6 +101,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     resume = resolve_resume(cfg.training.resume_from_checkpoint, output_dir / TRAINER_CHECKPOINTS)
     if resume:
         check_resume(cfg, Path(resume))
+    build_tiny_models(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
     report_to = configure_logger(cfg)
     if isinstance(method, Standalone):
