@@ -2,7 +2,7 @@
 tokens, from a CSV of measured points (docs/figures/data_scaling.csv: each row names the host and the docs section
 with the command behind it).
 
-    python scripts/plot_data_scaling.py                     # docs/figures/data_scaling.csv -> docs/figures/data_scaling.png
+    python scripts/plot_data_scaling.py        # docs/figures/data_scaling.csv -> docs/figures/data_scaling.png
     python scripts/plot_data_scaling.py my_points.csv --out my_points.png
 
 Needs matplotlib (`pip install 'draftsmith[plots]'`). Logic: inference/bench/plots.py.

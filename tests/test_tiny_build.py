@@ -5,9 +5,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from hydra import compose, initialize_config_module
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data.chat import IGNORE_INDEX, encode_chat
 from models import tiny

@@ -7,6 +7,7 @@ in tests); each `plot_*` function builds it and writes it to `path` (format from
 
 from __future__ import annotations
 
+import csv
 import math
 import numbers
 import os
@@ -156,8 +157,6 @@ SCALING_COLUMNS = ("series", "train_tokens", "tau_16", "top1_depth1")
 def read_scaling_points(path: str | os.PathLike) -> list[ScalingPoint]:
     """The points of a CSV with SCALING_COLUMNS (others, such as host and source, are kept for readers, not read);
     a bad row raises ValueError naming its file, line and column."""
-    import csv
-
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         missing = [c for c in SCALING_COLUMNS if c not in (reader.fieldnames or [])]
