@@ -137,9 +137,13 @@ def test_shipped_configs_are_in_range(method):
 
 def test_stopper_draft_length_bound_is_the_engines():
     from inference.drafters.draft_model import MAX_GAMMA
-    from train.config import MAX_DRAFT_TOKENS
+    from models.draft_limits import MAX_DRAFT_TOKENS
+    from train.config import out_of_range
 
-    assert MAX_DRAFT_TOKENS == MAX_GAMMA
+    assert MAX_GAMMA == MAX_DRAFT_TOKENS  # one owner: models.draft_limits
+    assert out_of_range(composed("method=stopper", "+model=tiny", f"method.max_gamma={MAX_DRAFT_TOKENS}")) is None
+    message = out_of_range(composed("method=stopper", "+model=tiny", f"method.max_gamma={MAX_DRAFT_TOKENS + 1}"))
+    assert message is not None and str(MAX_DRAFT_TOKENS) in message
 
 
 @pytest.mark.parametrize("method,override,message", [

@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from data.config import DataConfig, choice
+from models.draft_limits import MAX_DRAFT_TOKENS
 
 # Keys with a fixed set of values. Values of other layers are repeated here, not imported (the schema loads without
 # torch); tests/test_config.py checks each against its source.
@@ -295,7 +296,6 @@ SEED = Range(0, 2**32 - 1)  # numpy's seed range (HF set_seed seeds numpy too)
 LORA = {"lora_r": POSITIVE, "lora_alpha": POSITIVE, "lora_dropout": FRACTION}
 HEADS = {"num_heads": POSITIVE, "num_layers": NATURAL, "draft_vocab": POSITIVE,
          "decay": Range(0, 1, low_open=True)}  # λ^k weights head k's loss: 0 trains nothing, > 1 favours far heads
-MAX_DRAFT_TOKENS = 32  # inference.drafters.draft_model.MAX_GAMMA (not imported: the schema loads without torch)
 
 # Every int/float key of every schema, with its valid values (tests/test_config.py checks none is missing).
 RANGES: dict[type, dict[str, Range]] = {

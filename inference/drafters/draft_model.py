@@ -26,11 +26,12 @@ from inference.engine.cache import additive, keep_nodes, new_cache
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.engine.verify import VerifyResult, greedy_argmax, sample, target_probs
+from models.draft_limits import MAX_DRAFT_TOKENS
 from models.draft_model import checkpoint_stopper, load_draft_model
 from models.stopper import stop_features
 
 DEFAULT_GAMMA = 4
-MAX_GAMMA = 32
+MAX_GAMMA = MAX_DRAFT_TOKENS  # the longest draft a step proposes
 MAX_BRANCHES = 64
 FULL_LOGITS_MAX_BLOCK = 8  # draft blocks up to this long compute all their logits (see DraftModelDrafter._forward)
 
