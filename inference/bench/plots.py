@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from data.atomic import write_file
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -35,9 +37,11 @@ def new_figure(width: float, height: float) -> "Figure":
 
 
 def save(fig: "Figure", path: str | os.PathLike) -> Path:
+    """`fig` written to `path` atomically (data.atomic: a killed or failed write leaves no half image), in the format
+    its suffix names (PNG when it has none)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png"))
     return path
 
 
