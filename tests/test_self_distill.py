@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from data.chat import encode_prompt
+from data.curation import dedupe
+from data.datasets import split_key
 from data.readers import read_conversations
 from inference.api import Engine
-from inference.collect.self_distill import SelfDistillConfig, done_ids, main, record_id, script_of, self_distill
+from inference.collect.self_distill import (
+    SelfDistillConfig, answer_id, done_ids, main, record_id, script_of, self_distill,
+)
 from inference.engine.drafter import NoDrafter
 from models.loading import load_target, load_tokenizer
 from tests.model_support import save_tiny_model
@@ -115,3 +119,30 @@ def test_cli_writes_and_reports_bad_input_in_one_line(setup, tmp_path, capsys):
     assert main([*args[:3], str(tmp_path / "missing.jsonl"), *args[4:]]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "missing.jsonl" in err[0]
+
+
+def test_a_further_sampled_answer_stays_beside_the_first_in_one_split(setup, tmp_path, capsys):
+    """--answer-index n writes ids "<id>_n": data.dedupe keeps both answers of a prompt, and the validation split
+    sends both where the prompt goes. A further greedy answer (it would repeat the first) is refused in one line."""
+    path, _, _ = setup
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": u}, {"from": "gpt", "value": "x"}]})
+                              for u in USER_TURNS[:4]) + "\n")
+    answers = tmp_path / "answers"
+    args = ["--model", str(path), "--data", str(data), "--max-new-tokens", "6", "--dtype", "fp32", "--device", "cpu"]
+    assert main([*args, "--output", str(answers / "greedy.jsonl")]) == 0
+    assert main([*args, "--output", str(answers / "sampled.jsonl"), "--answer-index", "1", "--temperature", "1.0"]) == 0
+    sampled = read_jsonl(answers / "sampled.jsonl")
+    assert sorted(r["id"] for r in sampled) == [f"in.jsonl:{i}_1" for i in range(1, 5)]
+
+    both = read_conversations(answers, "sharegpt")
+    assert len(dedupe(both).conversations) == 8  # no answer of one prompt is taken for a repeat of another
+    for i in range(1, 5):
+        assert split_key(f"in.jsonl:{i}_1", 0) == split_key(f"in.jsonl:{i}", 1) == f"in.jsonl:{i}"
+    assert answer_id("in.jsonl:3", 0) == "in.jsonl:3" and answer_id("in.jsonl:3", 2) == "in.jsonl:3_2"
+
+    capsys.readouterr()
+    refused = tmp_path / "refused.jsonl"
+    assert main([*args, "--output", str(refused), "--answer-index", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--answer-index 1 needs --temperature > 0" in err[0] and not refused.exists()

@@ -192,7 +192,7 @@ def _scaling_point(row: Mapping[str, str], where: str) -> ScalingPoint:
 
 def data_scaling_figure(points: Sequence[ScalingPoint]) -> "Figure":
     """Two panels against train tokens (log scale), one line per series in order of first appearance: τ at 16 nodes
-    and depth-1 greedy top-1, each point labelled with its value."""
+    and depth-1 greedy top-1, each point labelled with its value; the legend below both."""
     if not points:
         raise ValueError("no data-scaling points")
     series: dict[str, list[ScalingPoint]] = {}
@@ -200,7 +200,7 @@ def data_scaling_figure(points: Sequence[ScalingPoint]) -> "Figure":
         series.setdefault(point.series, []).append(point)
     from matplotlib.ticker import NullFormatter  # deferred: matplotlib, an optional extra (new_figure says so)
 
-    fig = new_figure(9.0, 3.8)
+    fig = new_figure(9.0, 3.8 + 0.18 * ((len(series) + 2) // 3))
     low, high = min(p.train_tokens for p in points), max(p.train_tokens for p in points)
     ticks = [t for t in (m * 10**e for e in range(3, 13) for m in (1, 2, 3, 5)) if low / 1.2 <= t <= high * 1.2]
     ax_tau, ax_top1 = fig.subplots(1, 2)
@@ -217,7 +217,7 @@ def data_scaling_figure(points: Sequence[ScalingPoint]) -> "Figure":
         ax.set_xlabel("train tokens")
         ax.set_title(title, fontsize=10)
         ax.margins(y=0.15)
-    ax_tau.legend(fontsize=7)
+    fig.legend(*ax_tau.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=7)  # clear of points
     return fig
 
 

@@ -8,7 +8,9 @@ draftsmith engine (inference.api.Engine: plain decoding, or lossless speculative
 conversations at the same turn (sorted by the length of their first prompt, longest first), left-padded.
 
 Resumable: each finished conversation is appended as one line {"id", "conversations", "finish"}; a restart skips the
-ids already in the file (a torn last line from a crash is cut off first). Ids are "<file name>:<record number>".
+ids already in the file (a torn last line from a crash is cut off first). Ids are "<file name>:<record number>", and
+"<file name>:<record number>_<n>" for a further sampled answer to the same prompt (`--answer-index n`): data.dedupe
+keeps it beside the first, and the validation split puts it where the first one goes (data.datasets.split_key).
 Conversations whose regenerated answer is empty are not written (the ShareGPT reader rejects empty turns).
 """
 
@@ -73,6 +75,14 @@ def record_id(source: str) -> str:
     """"<path>:<record>" (data.readers source) -> "<file name>:<record>": stable when the folder moves."""
     where, _, record = source.rpartition(":")
     return f"{Path(where).name}:{record}"
+
+
+def answer_id(record: str, index: int) -> str:
+    """The id of answer `index` to prompt `record`: the record's own id for the first answer (0), else
+    "<record>_<index>", which data.datasets.split_key maps back to the record (one split for all its answers)."""
+    if index < 0:
+        raise ValueError(f"answer index must be >= 0, got {index}")
+    return record if index == 0 else f"{record}_{index}"
 
 
 def script_of(conversation: Conversation, max_turns: int | None = None) -> Conversation:
@@ -245,7 +255,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quantization", default=None, choices=(None, "nf4"))
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--on-error", default="raise", choices=("raise", "skip"), help="bad input records")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--answer-index", type=int, default=0,
+                   help="n > 0: a further sampled answer to every prompt (needs --temperature > 0), written with ids "
+                        "'<id>_<n>' beside the first answers' ids: cache both answer files in one folder")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the answer index)")
     return p.parse_args(argv)
 
 
@@ -254,16 +267,25 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.answer_index < 0:
+        print(f"error: --answer-index must be >= 0, got {args.answer_index}", file=sys.stderr)
+        return 2
+    if args.answer_index > 0 and args.temperature <= 0:
+        print(f"error: --answer-index {args.answer_index} needs --temperature > 0: a second greedy answer repeats the "
+              "first", file=sys.stderr)
+        return 2
     settings = model_settings(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = SelfDistillConfig(
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
-        chat_template=args.chat_template or settings.chat_template, seed=args.seed,
+        chat_template=args.chat_template or settings.chat_template,
+        seed=args.answer_index if args.seed is None else args.seed,
     )
     try:
         records = read_conversations(args.data, args.format, on_error=args.on_error)
-        conversations = [(record_id(s), c) for s, c in zip(records.sources, records.conversations)][: args.max_samples]
+        conversations = [(answer_id(record_id(s), args.answer_index), c)
+                         for s, c in zip(records.sources, records.conversations)][: args.max_samples]
         tokenizer = load_tokenizer(settings.ref, config.chat_template)
         engine = load(args.drafter, base=settings.path, dtype=args.dtype or settings.dtype or "bf16",
                       device=device, quantization=args.quantization)
