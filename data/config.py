@@ -54,6 +54,11 @@ class DataConfig:
     self_distill_samples: Optional[int] = 1200  # conversations to answer (seeded shuffle of the train split); None: all
     self_distill_new_tokens: int = 128
     self_distill_batch_size: int = 16
+    # Answers per prompt: the first greedy, each further one sampled (self_distill_temperature, self_distill_top_p;
+    # seeded with seed + n) and written under the id "<id>_<n>" (inference.collect.self_distill.answer_id).
+    self_distill_answers: int = 1
+    self_distill_temperature: float = 0.7
+    self_distill_top_p: float = 0.95
     # A feature cache (`python -m train features ... output_dir=DIR`, data/features.py): train from the target's stored
     # hidden states and soft labels instead of running it forward; the cache's own samples replace this recipe's.
     features: Optional[str] = None

@@ -345,6 +345,27 @@ def test_a_self_distilled_cache_resumes_its_answers(model_dir, data_file, self_d
     assert answers(out) == answers(self_distilled_cache)  # refused before answering anything
 
 
+def test_further_answers_are_sampled_beside_the_greedy_ones(model_dir, data_file, self_distilled_cache, tmp_path):
+    """data.self_distill_answers=2: every prompt gets its greedy answer (the same as a one-answer cache's) and a
+    sampled one under "<id>_1"; the train split holds both; a rerun resumes the second pass alone."""
+    out = tmp_path / "two-answers"
+    two = (*SELF_DISTILL, "data.self_distill_answers=2", "data.self_distill_temperature=1.5", "data.self_distill_top_p=1.0")
+    (out / "self_distill").mkdir(parents=True)
+    first = (self_distilled_cache / "self_distill" / "rank000.jsonl").read_text()
+    (out / "self_distill" / "rank000.jsonl").write_text(first)  # the greedy pass done, as by a killed run
+    result = extract(model_dir, data_file, out, *two)
+    assert "9 answers generated, 0 already in" in result.stdout + result.stderr  # the second pass only
+    records = answers(out)
+    greedy = answers(self_distilled_cache)
+    assert {i: r for i, r in records.items() if not i.endswith("_1")} == greedy
+    sampled = {i[: -len("_1")]: r for i, r in records.items() if i.endswith("_1")}
+    assert sampled.keys() == greedy.keys()
+    assert any(sampled[i]["conversations"][1]["value"] != greedy[i]["conversations"][1]["value"] for i in greedy)
+    manifest = Manifest.read(out)
+    assert manifest.complete and manifest.recipe["data"]["self_distill_answers"] == 2
+    assert manifest.samples["train"] == len(records) == 18  # both answers of each of the 9 prompts
+
+
 @pytest.mark.distributed
 def test_two_ranks_share_the_answers_and_write_the_same_cache(model_dir, data_file, self_distilled_cache, tmp_path):
     """Each rank answers every other conversation into its own file; the records and the cache equal one process's."""

@@ -2,10 +2,11 @@
 
 One owner for what trainers (train/task.py, before training) and the feature cache (train/features.py, before the
 teacher-forced pass) do with `data.self_distill=true`: which conversations are answered (a seeded shuffle of the
-curated train split, the first `data.self_distill_samples`), how (greedy, `data.self_distill_new_tokens`, batches of
-`data.self_distill_batch_size`, through the engine: inference.collect.self_distill) and how the answers become the
-train split again (the same data recipe read from the answers' JSONL; `data.max_tokens` then budgets the
-regenerated conversations).
+curated train split, the first `data.self_distill_samples`), how (`data.self_distill_new_tokens`, batches of
+`data.self_distill_batch_size`, through the engine: inference.collect.self_distill; the first answer greedy, each of
+the further `data.self_distill_answers` sampled under the id "<id>_<n>") and how the answers become the train split
+again (the same data recipe read from the answers' JSONL; `data.max_tokens` then budgets the regenerated
+conversations).
 
 Resumable: answers are appended as they are made and a rerun skips the ids already written. The feature cache splits
 the work over ranks (rank r answers conversations r, r + world, ...) into one file per rank in a folder, and skips
@@ -27,7 +28,7 @@ from torch import nn
 from data.chat import Conversation
 from data.datasets import SplitDatasets, build_datasets, load_conversations
 from inference.api import Engine
-from inference.collect.self_distill import DistillStats, SelfDistillConfig, self_distill, written_ids
+from inference.collect.self_distill import DistillStats, SelfDistillConfig, answer_id, self_distill, written_ids
 from inference.engine.drafter import NoDrafter
 
 log = logging.getLogger("draftsmith")
@@ -45,11 +46,22 @@ def chosen_conversations(cfg: DictConfig) -> list[tuple[str, Conversation]]:
     return [(f"train:{i}", c) for i, c in conversations[: d.self_distill_samples]]
 
 
-def distill_config(cfg: DictConfig) -> SelfDistillConfig:
+def distill_config(cfg: DictConfig, index: int = 0) -> SelfDistillConfig:
+    """How answer `index` to every prompt is made: greedy for the first (0), sampled at data.self_distill_temperature /
+    data.self_distill_top_p for the others, each seeded on its own."""
     d = cfg.data
+    sampled = {"temperature": d.self_distill_temperature, "top_p": d.self_distill_top_p} if index else {}
     return SelfDistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size,
                              max_turns=1, max_prompt_tokens=max(1, d.max_length - d.self_distill_new_tokens),
-                             chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed)
+                             chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed + index, **sampled)
+
+
+def answer_passes(cfg: DictConfig, chosen: list[tuple[str, Conversation]]
+                  ) -> list[tuple[str, list[tuple[str, Conversation]], SelfDistillConfig]]:
+    """One (progress label, (answer id, conversation) pairs, config) per answer of data.self_distill_answers."""
+    n = cfg.data.self_distill_answers
+    return [("self-distillation" if n == 1 else f"self-distillation (answer {index + 1} of {n})",
+             [(answer_id(i, index), c) for i, c in chosen], distill_config(cfg, index)) for index in range(n)]
 
 
 def answer(target: nn.Module, tokenizer: Any, conversations: list[tuple[str, Conversation]], path: Path,
@@ -89,7 +101,8 @@ def trainer_datasets(cfg: DictConfig, target: nn.Module, tokenizer: Any, args: A
     first (the others then find it done), then every process reads the train split back from it."""
     path = output_dir / SELF_DISTILL_FILE
     with args.main_process_first(desc="self-distillation"):
-        answer(target, tokenizer, chosen_conversations(cfg), path, distill_config(cfg))
+        for desc, todo, config in answer_passes(cfg, chosen_conversations(cfg)):
+            answer(target, tokenizer, todo, path, config, desc=desc)
     return with_distilled_train(cfg, tokenizer, path, datasets)
 
 
@@ -98,17 +111,21 @@ def rank_file(folder: Path, rank: int) -> Path:
 
 
 def answer_share(cfg: DictConfig, target: nn.Module, tokenizer: Any, chosen: list[tuple[str, Conversation]],
-                 folder: Path, rank: int, size: int, barrier: Callable[[], Any] = lambda: None) -> DistillStats:
-    """This rank's share of `chosen` (chosen_conversations), answered into its own file under folder/self_distill/.
-    Ids already answered in any file there (an earlier run, maybe under another world size) are skipped: every rank
-    reads them all, `barrier()` waits for the others to have read, then each rank answers every size-th one left."""
+                 folder: Path, rank: int, size: int, barrier: Callable[[], Any] = lambda: None) -> list[DistillStats]:
+    """This rank's share of the answers to `chosen` (chosen_conversations; every answer of
+    data.self_distill_answers), in its own file under folder/self_distill/. Ids already answered in any file there
+    (an earlier run, maybe under another world size) are skipped: every rank reads them all, `barrier()` waits for
+    the others to have read, then each rank answers every size-th one left of each pass."""
     answers = folder / SELF_DISTILL_DIR
     answers.mkdir(parents=True, exist_ok=True)
     done: set[str] = set()
     for path in sorted(answers.glob("*.jsonl")):
         done |= written_ids(path)
     barrier()  # nobody appends before every rank has read the same ids
-    todo = [(i, c) for i, c in chosen if i not in done]
-    desc = "self-distillation" if size == 1 else f"self-distillation (rank {rank})"
-    return answer(target, tokenizer, todo[rank::size], rank_file(folder, rank), distill_config(cfg), desc=desc,
-                  answered=len(chosen) - len(todo))
+    stats = []
+    for desc, pairs, config in answer_passes(cfg, chosen):
+        todo = [(i, c) for i, c in pairs if i not in done]
+        desc = desc if size == 1 else f"{desc} (rank {rank})"
+        stats.append(answer(target, tokenizer, todo[rank::size], rank_file(folder, rank), config, desc=desc,
+                            answered=len(pairs) - len(todo)))
+    return stats
