@@ -57,6 +57,10 @@ class DataConfig:
     # Answers per prompt: the first greedy, each further one sampled (self_distill_temperature, self_distill_top_p;
     # seeded with seed + n) and written under the id "<id>_<n>" (inference.collect.self_distill.answer_id).
     self_distill_answers: int = 1
+    # Assistant turns regenerated per conversation, in order, each seeing the target's own earlier answers (1: the
+    # first exchange; null: every turn). A conversation ends before a turn whose prompt would leave fewer than
+    # self_distill_new_tokens of data.max_length.
+    self_distill_turns: Optional[int] = 1
     self_distill_temperature: float = 0.7
     self_distill_top_p: float = 0.95
     # A feature cache (`python -m train features ... output_dir=DIR`, data/features.py): train from the target's stored

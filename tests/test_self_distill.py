@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from data.chat import encode_prompt
 from data.curation import dedupe
@@ -146,3 +145,33 @@ def test_a_further_sampled_answer_stays_beside_the_first_in_one_split(setup, tmp
     assert main([*args, "--output", str(refused), "--answer-index", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--answer-index 1 needs --temperature > 0" in err[0] and not refused.exists()
+
+
+def test_a_later_turn_too_long_ends_the_conversation_and_keeps_its_earlier_answers(setup, tmp_path):
+    """max_prompt_tokens between the first and the second prompt of a two-turn conversation: it is written with its
+    first answer (counted as shortened); a conversation whose first prompt is too long is not written at all."""
+    path, engine, tokenizer = setup
+    two_turns = conversations()[1]
+    first_prompt = len(encode_prompt(tokenizer, two_turns[1][:2]))  # system + first user turn
+    long_question = ("src.json:9", [{"role": "user", "content": " ".join(USER_TURNS * 3)}])
+    stats = self_distill(engine, tokenizer, [two_turns, long_question], tmp_path / "o.jsonl",
+                         SelfDistillConfig(max_new_tokens=4, batch_size=2, max_prompt_tokens=first_prompt))
+    assert (stats.written, stats.shortened, stats.too_long) == (1, 1, 1)
+    (record,) = read_jsonl(tmp_path / "o.jsonl")
+    assert record["id"] == "src.json:2" and [t["from"] for t in record["conversations"]] == ["system", "human", "gpt"]
+    assert len(record["finish"]) == 1
+
+
+def test_the_recipe_keys_reach_each_answer_pass():
+    """data.self_distill_turns / _answers / _temperature / _top_p as train.self_distill hands them to the tool."""
+    from omegaconf import OmegaConf
+
+    from train.self_distill import answer_passes
+
+    cfg = OmegaConf.create({"seed": 5, "model": {"chat_template": None}, "data": {
+        "self_distill_new_tokens": 8, "self_distill_batch_size": 2, "max_length": 64, "chat_template": None,
+        "self_distill_turns": None, "self_distill_answers": 2, "self_distill_temperature": 0.9, "self_distill_top_p": 0.8}})
+    (_, first, greedy), (_, second, sampled) = answer_passes(cfg, [("train:3", [{"role": "user", "content": "hi"}])])
+    assert [i for i, _ in first] == ["train:3"] and [i for i, _ in second] == ["train:3_1"]
+    assert (greedy.temperature, greedy.seed, greedy.max_turns, greedy.max_prompt_tokens) == (0.0, 5, None, 56)
+    assert (sampled.temperature, sampled.top_p, sampled.seed) == (0.9, 0.8, 6)

@@ -302,7 +302,7 @@ RANGES: dict[type, dict[str, Range]] = {
     TrainConfig: {"seed": SEED},
     DataConfig: {"validation_fraction": FRACTION, "max_length": POSITIVE, "max_samples": POSITIVE, "seed": SEED,
                  "max_tokens": POSITIVE, "self_distill_samples": POSITIVE, "self_distill_new_tokens": POSITIVE,
-                 "self_distill_batch_size": POSITIVE, "self_distill_answers": POSITIVE,
+                 "self_distill_batch_size": POSITIVE, "self_distill_answers": POSITIVE, "self_distill_turns": POSITIVE,
                  "self_distill_temperature": Range(0, low_open=True), "self_distill_top_p": Range(0, 1, low_open=True)},
     TrainingConfig: {
         "per_device_train_batch_size": POSITIVE, "per_device_eval_batch_size": POSITIVE,

@@ -217,7 +217,8 @@ def check_continuable(folder: Path, manifest: Manifest, counts: bool = True) -> 
 
 def self_distill_bound(cfg: DictConfig, tokenizer: Any, chosen: list[tuple[str, Any]]) -> int:
     """Tokens the self-distilled train split can hold at most: each chosen conversation's first prompt plus
-    data.self_distill_new_tokens, within data.max_length, once per answer (data.self_distill_answers)."""
+    data.self_distill_new_tokens, within data.max_length (data.max_length itself when later turns are answered too),
+    once per answer (data.self_distill_answers)."""
     template = cfg.model.chat_template or cfg.data.chat_template
     total = 0
     for _, conversation in chosen:
@@ -225,7 +226,8 @@ def self_distill_bound(cfg: DictConfig, tokenizer: Any, chosen: list[tuple[str, 
         if turn is not None:
             prompt = len(encode_prompt(tokenizer, turn, chat_template=template))
             if prompt + cfg.data.self_distill_new_tokens <= cfg.data.max_length:  # longer ones are not answered
-                total += prompt + cfg.data.self_distill_new_tokens
+                one_turn = cfg.data.self_distill_turns == 1
+                total += prompt + cfg.data.self_distill_new_tokens if one_turn else cfg.data.max_length
     return total * cfg.data.self_distill_answers
 
 

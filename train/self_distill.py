@@ -2,7 +2,8 @@
 
 One owner for what trainers (train/task.py, before training) and the feature cache (train/features.py, before the
 teacher-forced pass) do with `data.self_distill=true`: which conversations are answered (a seeded shuffle of the
-curated train split, the first `data.self_distill_samples`), how (`data.self_distill_new_tokens`, batches of
+curated train split, the first `data.self_distill_samples`), how (`data.self_distill_turns` assistant turns each,
+`data.self_distill_new_tokens`, batches of
 `data.self_distill_batch_size`, through the engine: inference.collect.self_distill; the first answer greedy, each of
 the further `data.self_distill_answers` sampled under the id "<id>_<n>") and how the answers become the train split
 again (the same data recipe read from the answers' JSONL; `data.max_tokens` then budgets the regenerated
@@ -52,7 +53,8 @@ def distill_config(cfg: DictConfig, index: int = 0) -> SelfDistillConfig:
     d = cfg.data
     sampled = {"temperature": d.self_distill_temperature, "top_p": d.self_distill_top_p} if index else {}
     return SelfDistillConfig(max_new_tokens=d.self_distill_new_tokens, batch_size=d.self_distill_batch_size,
-                             max_turns=1, max_prompt_tokens=max(1, d.max_length - d.self_distill_new_tokens),
+                             max_turns=d.self_distill_turns,
+                             max_prompt_tokens=max(1, d.max_length - d.self_distill_new_tokens),
                              chat_template=cfg.model.chat_template or d.chat_template, seed=cfg.seed + index, **sampled)
 
 
@@ -76,8 +78,9 @@ def answer(target: nn.Module, tokenizer: Any, conversations: list[tuple[str, Con
                              progress=bar.update)
     target.train(was_training)
     log.info("%s: %d answers generated, %d already in %s, %d prompts too long for data.max_length, %d answers cut "
-             "at data.self_distill_new_tokens", desc, stats.written, stats.already_done + answered,
-             path if not answered else path.parent, stats.too_long, stats.truncated_turns)
+             "at data.self_distill_new_tokens%s", desc, stats.written, stats.already_done + answered,
+             path if not answered else path.parent, stats.too_long, stats.truncated_turns,
+             f", {stats.shortened} conversations ended before a turn too long" if stats.shortened else "")
     return stats
 
 

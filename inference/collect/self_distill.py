@@ -11,7 +11,9 @@ Resumable: each finished conversation is appended as one line {"id", "conversati
 ids already in the file (a torn last line from a crash is cut off first). Ids are "<file name>:<record number>", and
 "<file name>:<record number>_<n>" for a further sampled answer to the same prompt (`--answer-index n`): data.dedupe
 keeps it beside the first, and the validation split puts it where the first one goes (data.datasets.split_key).
-Conversations whose regenerated answer is empty are not written (the ShareGPT reader rejects empty turns).
+Conversations whose regenerated answer is empty are not written (the ShareGPT reader rejects empty turns). A
+conversation whose first prompt is over max_prompt_tokens is not answered; one whose later prompt grows over it ends
+with the answers made before that turn.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class SelfDistillConfig:
     top_k: int = 0
     top_p: float = 1.0
     max_turns: int | None = None  # regenerate at most this many assistant turns per conversation (None: all)
-    max_prompt_tokens: int = 2048  # a conversation whose next prompt is longer is dropped (counted)
+    max_prompt_tokens: int = 2048  # a first prompt longer drops the conversation; a later one ends it there (counted)
     chat_template: str | None = None  # data.templates name or Jinja string; None: the tokenizer's own
     seed: int = 0
 
@@ -56,9 +58,10 @@ class SelfDistillConfig:
 class DistillStats:
     written: int
     already_done: int
-    too_long: int
+    too_long: int  # conversations whose first prompt is over max_prompt_tokens (not written)
     empty: int
     truncated_turns: int  # answers cut by max_new_tokens (kept, marked "length" in "finish")
+    shortened: int = 0  # conversations ended before a later turn whose prompt is over max_prompt_tokens (written)
 
 
 @dataclass
@@ -68,7 +71,8 @@ class _Row:
     messages: Conversation  # what has been produced so far
     finish: list[str]  # per answer: "stop" (EOS) or "length" (max_new_tokens)
     next: int = 0  # index into script of the next message to append
-    dropped: bool = False  # a prompt grew past max_prompt_tokens
+    dropped: bool = False  # its first prompt is over max_prompt_tokens: not written
+    ended: bool = False  # a later prompt grew past max_prompt_tokens: written with the answers made before it
 
 
 def record_id(source: str) -> str:
@@ -159,19 +163,24 @@ def self_distill(
             if i not in done]
     todo = by_prompt_length(todo, tokenizer, config.chat_template)
     eos = set(_eos_ids(engine.model, tokenizer))
-    written = too_long = empty = truncated = 0
+    written = too_long = empty = truncated = shortened = 0
     with open(output, "a", encoding="utf-8") as out:
         for start in range(0, len(todo), config.batch_size):
             rows = todo[start : start + config.batch_size]
             while True:  # one turn of every row that still has an answer due
                 active, prompts = [], []
                 for row in rows:
-                    if row.dropped or not _advance(row):
+                    if row.dropped or row.ended or not _advance(row):
                         continue
                     ids = encode_prompt(tokenizer, row.messages, chat_template=config.chat_template)
                     if len(ids) > config.max_prompt_tokens:
-                        row.dropped = True
-                        too_long += 1
+                        if row.finish:  # answers made already: the conversation ends after the last of them
+                            row.messages = row.messages[: _after_last_answer(row.messages)]
+                            row.ended = True
+                            shortened += 1
+                        else:
+                            row.dropped = True
+                            too_long += 1
                         continue
                     active.append(row)
                     prompts.append(ids)
@@ -199,7 +208,7 @@ def self_distill(
             os.fsync(out.fileno())
             log.info("%d / %d conversations done", min(start + config.batch_size, len(todo)), len(todo))
     return DistillStats(written=written, already_done=len(conversations) - len(todo), too_long=too_long, empty=empty,
-                        truncated_turns=truncated)
+                        truncated_turns=truncated, shortened=shortened)
 
 
 def by_prompt_length(rows: list[_Row], tokenizer: Any, chat_template: str | None) -> list[_Row]:
@@ -220,6 +229,11 @@ def _counting(progress: Callable[[int], Any]) -> Callable[[int, list[int]], None
     def stream(row: int, new: list[int]) -> None:
         progress(len(new))
     return stream
+
+
+def _after_last_answer(messages: Conversation) -> int:
+    """The length of `messages` up to and including its last assistant message."""
+    return max(i for i, m in enumerate(messages) if m["role"] == "assistant") + 1
 
 
 def _advance(row: _Row) -> bool:
@@ -295,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{args.output}: {stats.written} conversations written, {stats.already_done} already done, "
           f"{stats.too_long} over --max-prompt-tokens, {stats.empty} with an empty answer (not written), "
-          f"{stats.truncated_turns} answers cut at --max-new-tokens", flush=True)
+          f"{stats.truncated_turns} answers cut at --max-new-tokens, {stats.shortened} ended before a later turn "
+          f"over --max-prompt-tokens", flush=True)
     return 0
 
 
