@@ -48,7 +48,7 @@ class DataConfig:
     decontaminate: bool = True  # drop train conversations whose first user turn is an eval prompt (data.eval_sets)
     max_tokens: Optional[int] = None  # train split token budget: a seeded sample of conversations up to it
     # Self-distillation (Medusa paper, sec. 3.3): before training, replace the assistant turns of the train split
-    # with the target's own greedy answers (first turn of each conversation), generated through the engine and
+    # with the target's own answers (self_distill_turns of each conversation), generated through the engine and
     # cached resumably in <output_dir>/self_distill.jsonl. Heads then learn what the target will actually say.
     self_distill: bool = False
     self_distill_samples: Optional[int] = 1200  # conversations to answer (seeded shuffle of the train split); None: all
@@ -57,12 +57,12 @@ class DataConfig:
     # Answers per prompt: the first greedy, each further one sampled (self_distill_temperature, self_distill_top_p;
     # seeded with seed + n) and written under the id "<id>_<n>" (inference.collect.self_distill.answer_id).
     self_distill_answers: int = 1
+    self_distill_temperature: float = 0.7
+    self_distill_top_p: float = 0.95
     # Assistant turns regenerated per conversation, in order, each seeing the target's own earlier answers (1: the
     # first exchange; null: every turn). A conversation ends before a turn whose prompt would leave fewer than
     # self_distill_new_tokens of data.max_length.
     self_distill_turns: Optional[int] = 1
-    self_distill_temperature: float = 0.7
-    self_distill_top_p: float = 0.95
     # A feature cache (`python -m train features ... output_dir=DIR`, data/features.py): train from the target's stored
     # hidden states and soft labels instead of running it forward; the cache's own samples replace this recipe's.
     features: Optional[str] = None

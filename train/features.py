@@ -220,13 +220,13 @@ def self_distill_bound(cfg: DictConfig, tokenizer: Any, chosen: list[tuple[str, 
     data.self_distill_new_tokens, within data.max_length (data.max_length itself when later turns are answered too),
     once per answer (data.self_distill_answers)."""
     template = cfg.model.chat_template or cfg.data.chat_template
+    one_turn = cfg.data.self_distill_turns == 1
     total = 0
     for _, conversation in chosen:
         turn = first_user_turn(conversation)
         if turn is not None:
             prompt = len(encode_prompt(tokenizer, turn, chat_template=template))
             if prompt + cfg.data.self_distill_new_tokens <= cfg.data.max_length:  # longer ones are not answered
-                one_turn = cfg.data.self_distill_turns == 1
                 total += prompt + cfg.data.self_distill_new_tokens if one_turn else cfg.data.max_length
     return total * cfg.data.self_distill_answers
 

@@ -3,11 +3,10 @@
 One owner for what trainers (train/task.py, before training) and the feature cache (train/features.py, before the
 teacher-forced pass) do with `data.self_distill=true`: which conversations are answered (a seeded shuffle of the
 curated train split, the first `data.self_distill_samples`), how (`data.self_distill_turns` assistant turns each,
-`data.self_distill_new_tokens`, batches of
-`data.self_distill_batch_size`, through the engine: inference.collect.self_distill; the first answer greedy, each of
-the further `data.self_distill_answers` sampled under the id "<id>_<n>") and how the answers become the train split
-again (the same data recipe read from the answers' JSONL; `data.max_tokens` then budgets the regenerated
-conversations).
+`data.self_distill_new_tokens`, batches of `data.self_distill_batch_size`, through the engine:
+inference.collect.self_distill; the first answer greedy, each further one of `data.self_distill_answers` sampled under
+the id "<id>_<n>") and how the answers become the train split again (the same data recipe read from the answers'
+JSONL; `data.max_tokens` then budgets the regenerated conversations).
 
 Resumable: answers are appended as they are made and a rerun skips the ids already written. The feature cache splits
 the work over ranks (rank r answers conversations r, r + world, ...) into one file per rank in a folder, and skips
