@@ -72,7 +72,6 @@ class _Row:
     finish: list[str]  # per answer: "stop" (EOS) or "length" (max_new_tokens)
     next: int = 0  # index into script of the next message to append
     dropped: bool = False  # its first prompt is over max_prompt_tokens: not written
-    ended: bool = False  # a later prompt grew past max_prompt_tokens: written with the answers made before it
 
 
 def record_id(source: str) -> str:
@@ -170,13 +169,13 @@ def self_distill(
             while True:  # one turn of every row that still has an answer due
                 active, prompts = [], []
                 for row in rows:
-                    if row.dropped or row.ended or not _advance(row):
+                    if row.dropped or not _advance(row):
                         continue
                     ids = encode_prompt(tokenizer, row.messages, chat_template=config.chat_template)
                     if len(ids) > config.max_prompt_tokens:
                         if row.finish:  # answers made already: the conversation ends after the last of them
                             row.messages = row.messages[: _after_last_answer(row.messages)]
-                            row.ended = True
+                            row.next = len(row.script)  # nothing left to replay
                             shortened += 1
                         else:
                             row.dropped = True
