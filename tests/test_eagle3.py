@@ -4,6 +4,7 @@ lossless (greedy identity, batched and left-padded, every tree shape), and check
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from inference.drafters.eagle3 import (Candidates, DynamicTree, Eagle3Drafter, d
 from inference.engine.cache import additive
 from inference.engine.drafter import DecodeState
 from inference.engine.loop import DecodeConfig, generate
-from inference.engine.tree import TreeError, build_tree
+from inference.engine.tree import TreeError, build_tree, chain_choices, walk_forwards
 from inference.engine.verify import SamplingParams
 from models.checkpoint import CheckpointError, DrafterMismatchError, WEIGHTS_NAME
 from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_eagle3_checkpoint, default_layers,
@@ -24,7 +25,8 @@ from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_e
 from tests.conftest import build_tiny_lm, tiny_config
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
-from train.eagle3 import ChainCounter, eagle3_loss, soft_targets
+from train.eagle3 import ChainCounter, Eagle3TrainModule, RankCounter, eagle3_loss, record_ranks, soft_targets
+from train.medusa1 import greedy_continuations
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -296,6 +298,32 @@ def test_chain_acceptance_counts_only_positions_whose_shallower_drafts_were_righ
     chain.add(2, torch.tensor([[True] * 2]), torch.tensor([False, True]))
     assert chain.accept() == [0.75, 0.5, 0.0]
     assert chain.metrics()["tau_chain"] == pytest.approx(2.125)
+
+
+@pytest.mark.parametrize("choices", [chain_choices(3), [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]],
+                         ids=["chain3", "branching"])
+def test_walk_estimate_equals_the_engines_forwards(tiny_lm, choices):
+    """The training evaluation's ranks of the target's greedy continuations, replayed step by step through a static
+    tree (`walk_forwards`), give exactly the target forwards the engine takes to decode the same prompts with the
+    same draft and tree (fp32, greedy): the estimate is the engine's τ, not an approximation of it."""
+    draft = lm_head_eagle3(tiny_lm)
+    module = Eagle3TrainModule(tiny_lm, draft)
+    prompts, new = repetitive_prompts(11, 4), 24
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
+    counter = RankCounter(depth=5)
+    for ids, mask, labels in greedy_continuations(tiny_lm, prompts, new, tokenizer, batch_size=1):
+        record_ranks(module, draft.config.layers, ids, mask, labels, 5, counter)
+    assert len(counter.texts) == len(prompts)
+    tree = build_tree(choices, num_heads=max(map(len, choices)), topk=2)
+    forwards = 0
+    for prompt, (ranks, made) in zip(prompts, counter.texts):
+        out = generate(tiny_lm, torch.tensor([prompt]), Eagle3Drafter(draft, tree, tiny_lm.get_input_embeddings()),
+                       DecodeConfig(max_new_tokens=new))
+        assert out.stats.new_tokens == made
+        assert walk_forwards(choices, ranks, made) == out.stats.target_forwards
+        forwards += out.stats.target_forwards
+    assert forwards < new * len(prompts)  # drafts were accepted: the equality is not the trivial one
+    assert counter.walk_tau(choices) == pytest.approx(new * len(prompts) / forwards)
 
 
 def test_build_tree_times_eagle3_drafting_per_depth(tiny_lm):

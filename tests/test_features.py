@@ -210,6 +210,8 @@ def test_eagle3_trains_and_serves_losslessly(model_dir, data_file, full_cache, t
     config = json.loads((out / "config.json").read_text())
     assert config["drafter_type"] == "eagle3" and config["training"]["global_step"] == 3
     assert config["eagle3"]["layers"] == [1, 2] and len(config["eagle3"]["acceptance"]) == 3
+    walk = config["training"]["metrics"]["eval_greedy_tau_walk_tree"]  # the engine-walk estimate of its default tree
+    assert 1.0 <= walk <= 1 + 3  # at most one draft a depth accepted a step
     assert "eval_greedy_step1_top1" in config["training"]["metrics"]
     engine = load(str(out), base=str(model_dir), dtype="fp32")
     plain = load(None, base=str(model_dir), dtype="fp32")

@@ -11,6 +11,7 @@ import torch
 
 from inference.engine.tree import (
     TreeError,
+    accepted_drafts,
     best_tree_choices,
     build_tree,
     chain_choices,
@@ -20,6 +21,7 @@ from inference.engine.tree import (
     load_tree,
     read_tree_file,
     root_only_tree,
+    walk_forwards,
 )
 
 
@@ -157,6 +159,29 @@ def test_best_tree_trades_acceptance_for_cost():
     assert max(map(len, pricey_heads)) == 1  # heads cost more than they return: stay one level deep
     pricey_nodes = best_tree_choices(accuracy, lambda nodes, depth: float(nodes), max_nodes=10)
     assert pricey_nodes == [(0,)]
+
+
+def test_accepted_drafts_follow_the_longest_path_of_the_tree():
+    tree = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    assert accepted_drafts(tree, [0, 0, 0, 0]) == 3  # the tree is 3 deep
+    assert accepted_drafts(tree, [0, 1, 0]) == 2  # (0, 1) has no child
+    assert accepted_drafts(tree, [1, 0]) == 1
+    assert accepted_drafts(tree, [2, 0]) == 0  # rank 2 is not a node
+    assert accepted_drafts(tree, [0, -1, 0]) == 1  # depth 2's token was not among the candidates
+    assert accepted_drafts(chain_choices(2), []) == 0
+
+
+def test_walk_counts_forwards_the_way_the_engine_steps():
+    """Twenty tokens, the first half easy (a chain of 3 gets all three drafts accepted at each of those roots), the
+    second hard (none). The mean over the 19 roots says τ = 1 + 3 · 9/19 ≈ 2.42, but the walk crosses the easy half
+    in 3 steps and the hard half in 7: 20 tokens in 1 + 3 + 7 = 11 forwards, τ ≈ 1.82."""
+    easy, hard = [0, 0, 0], [5, 5, 5]
+    ranks = [easy] * 9 + [hard] * 10  # the root after c committed tokens: easy for c <= 9
+    assert walk_forwards(chain_choices(3), ranks, 20) == 11
+    assert walk_forwards([], ranks, 20) == 20  # no tree: one forward a token, as a plain loop
+    # the last step may overshoot the token budget: it is cut, still one forward
+    assert walk_forwards(chain_choices(3), [easy] * 3, 4) == 2
+    assert walk_forwards(chain_choices(3), [], 1) == 1
 
 
 def test_read_tree_file_rejects_wrong_shape(tmp_path):

@@ -13,7 +13,10 @@ Step j's top-1 agreement with the target's argmax, counted where the drafts of s
 all right, is the acceptance a_j of depth j+1 of a greedy chain; a chain of depth d then yields
 τ = 1 + Σ_{k≤d} Π_{i≤k} a_i tokens per target step (`ChainCounter`). Training logs the marginal top-1, a_j and τ;
 evaluation measures them on the target's own greedy continuations of validation prompts (what the engine meets), per
-rank, and the checkpoint keeps that [depth][rank] table for the engine's default tree.
+rank, and the checkpoint keeps that [depth][rank] table for the engine's default tree. That τ is a mean over every
+position; the engine's steps start where the previous one ended, so they land more often where drafts fail, and
+evaluation also replays the continuations step by step (`RankCounter.walk_tau`): the τ the engine measures on the
+same prompts, for a chain and for the default tree.
 Dimension letters: B batch, T time, L fused layers, D hidden, S draft vocabulary, k soft-label width, N positions.
 """
 
@@ -30,6 +33,8 @@ from torch.nn import functional as F
 
 from data.chat import IGNORE_INDEX
 from data.errors import UsageError
+from inference.drafters.eagle3 import default_tree
+from inference.engine.tree import chain_choices, walk_forwards
 from models.checkpoint import most_frequent
 from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
 from models.loading import model_config
@@ -158,17 +163,22 @@ class ChainCounter:
 class RankCounter:
     """Per depth, over an evaluation: where the target's token ranked among the draft's candidates (r < RANKS) at the
     positions whose chain was accepted so far (every shallower top-1 right): the conditional [depth][rank] hit rates
-    a tree is built from, and the marginal top-1 over every position."""
+    a tree is built from, and the marginal top-1 over every position. It also keeps each continuation's ranks by
+    root, which `walk_tau` replays the way the engine steps through a text."""
 
     def __init__(self, depth: int) -> None:
         self.hits = torch.zeros(depth, RANKS, dtype=torch.float64)
         self.counts = torch.zeros(depth, dtype=torch.float64)
         self.top1 = torch.zeros(depth, 2, dtype=torch.float64)  # [depth] (right, scored) over every position
         self.chain = ChainCounter(depth)
+        self.depth = depth
+        self.ranks: torch.Tensor | None = None  # [B, T, depth] this batch's rank of the target's token, -1: none
+        self.texts: list[tuple[list[list[int]], int]] = []  # per continuation: (ranks at the root after c tokens, N)
 
     def start(self) -> None:
         """A new batch: chains start again."""
         self.chain.alive = None
+        self.ranks = None
 
     def add(self, j: int, keep: torch.Tensor, logits: torch.Tensor, reference: torch.Tensor) -> None:
         """keep [B, T - 2 - j] the positions scored at step j; logits [N, S] there; reference [N] the draft id of
@@ -179,6 +189,32 @@ class RankCounter:
         self.hits[j, : top.shape[1]] += hit[counted].double().sum(0).cpu()
         self.counts[j] += float(counted.sum())
         self.top1[j] += torch.tensor([float(hit[:, 0].sum()), float(len(hit))], dtype=torch.float64)
+        b, width = keep.shape
+        if self.ranks is None:
+            self.ranks = torch.full((b, width + 2 + j, self.depth), -1, dtype=torch.long)
+        rank = torch.where(hit.any(-1), hit.long().argmax(-1), -1).cpu()  # [N]
+        self.ranks[:, :width, j][keep.cpu()] = rank
+
+    def finish(self, labels: torch.Tensor) -> None:
+        """The batch's continuations: labels [B, T] (right-padded rows, the generated tokens marked) say where each
+        starts (P) and how many tokens it has (N); the root after c committed tokens is position P + c - 2."""
+        if self.ranks is None:  # nothing scored (continuations of a token or two): no draft accepted anywhere
+            self.ranks = torch.full((*labels.shape, self.depth), -1, dtype=torch.long)
+        for row, lab in zip(self.ranks, labels.cpu()):
+            made = (lab != IGNORE_INDEX).nonzero().flatten()
+            if len(made) == 0:
+                continue
+            start, new = int(made[0]), len(made)
+            self.texts.append((row[start - 1 : start + new - 2].tolist(), new))
+
+    def walk_tau(self, choices: list[tuple[int, ...]]) -> float:
+        """τ = tokens / target forwards, prefill included, of decoding the continuations with the static tree
+        `choices` (greedy), each step starting where the last ended, as the engine does: the estimate to hold
+        against the engine's τ on the same prompts. The mean over positions (`ChainCounter`) overstates it where
+        easy and hard stretches alternate, because steps land more often in the hard ones."""
+        tokens = sum(new for _, new in self.texts)
+        forwards = sum(walk_forwards(choices, ranks, new) for ranks, new in self.texts)
+        return tokens / forwards if forwards else float("nan")
 
     def table(self) -> list[list[float]]:
         """[depth][rank] conditional hit rates (a depth never reached is all zeros)."""
@@ -195,6 +231,36 @@ def chain_tau(top1: list[float]) -> float:
         survive *= a
         tau += survive
     return tau
+
+
+@torch.no_grad()
+def record_ranks(model: Eagle3TrainModule, layers: tuple[int, ...], input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, labels: torch.Tensor, depth: int, counter: RankCounter) -> None:
+    """Left-padded greedy continuations [B, T] (`greedy_continuations`): unroll the draft `depth` steps over the
+    target's features of `layers` and record in `counter` where the target's next greedy token ranked. The unroll
+    assumes right padding, so each row is shifted left first."""
+    rows = []
+    for ids, mask, lab in zip(input_ids, attention_mask, labels):
+        real = mask.bool()
+        rows.append((ids[real], lab[real]))
+    width = max(len(ids) for ids, _ in rows)
+    pad = lambda x, fill: F.pad(x, (0, width - len(x)), value=fill)  # noqa: E731
+    ids = torch.stack([pad(i, 0) for i, _ in rows])
+    mask = torch.stack([pad(torch.ones_like(i), 0) for i, _ in rows])
+    lab = torch.stack([pad(label, IGNORE_INDEX) for _, label in rows])
+    feats = model.target_features(ids, mask, layers, soft=False)  # the labels are the greedy tokens
+    hidden = torch.cat([feats[f"layer_{i}"] for i in layers], dim=-1)
+    outputs = model.draft.unroll(model.draft.fuse(hidden), model.embed(ids), depth)
+    counter.start()
+    for j, out in enumerate(outputs):
+        shift = 2 + j
+        if shift >= width:
+            break
+        keep = lab[:, shift:] != IGNORE_INDEX  # greedy tokens: the data is the target's argmax
+        if keep.any():
+            logits = model.draft.logits(out[:, : width - shift][keep]).float()
+            counter.add(j, keep, logits, model.draft.draft_index(lab[:, shift:][keep]))
+    counter.finish(lab)
 
 
 class Method(TokenCounts):
@@ -295,40 +361,16 @@ class Method(TokenCounts):
                 model.target, prompts, self.cfg.eval.greedy_new_tokens, tokenizer,
                 self.cfg.training.per_device_eval_batch_size
             ):
-                self._rank_hits(model, input_ids, attention_mask, labels, depth, counter)
+                record_ranks(model, self.layers, input_ids, attention_mask, labels, depth, counter)
             self.acceptance = counter.table()
             for j, (row, top1) in enumerate(zip(self.acceptance, counter.marginal_top1())):
                 metrics[f"greedy_step{j + 1}_top1"] = top1
                 metrics[f"greedy_step{j + 1}_accept"] = row[0]
                 metrics[f"greedy_step{j + 1}_accept_top5"] = sum(row[:5])
             metrics["greedy_tau_chain"] = chain_tau([row[0] for row in self.acceptance])
+            metrics["greedy_tau_walk_chain"] = counter.walk_tau(chain_choices(depth))
+            metrics["greedy_tau_walk_tree"] = counter.walk_tau(default_tree(self.acceptance))
         return metrics
-
-    def _rank_hits(self, model: Eagle3TrainModule, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   labels: torch.Tensor, depth: int, counter: RankCounter) -> None:
-        """Left-padded greedy continuations [B, T]: unroll the draft and record where the target's next greedy
-        token ranked. The unroll assumes right padding, so each row is shifted left first."""
-        rows = []
-        for ids, mask, lab in zip(input_ids, attention_mask, labels):
-            real = mask.bool()
-            rows.append((ids[real], lab[real]))
-        width = max(len(ids) for ids, _ in rows)
-        pad = lambda x, fill: F.pad(x, (0, width - len(x)), value=fill)  # noqa: E731
-        ids = torch.stack([pad(i, 0) for i, _ in rows])
-        mask = torch.stack([pad(torch.ones_like(i), 0) for i, _ in rows])
-        lab = torch.stack([pad(label, IGNORE_INDEX) for _, label in rows])
-        feats = model.target_features(ids, mask, self.layers, soft=False)  # the labels are the greedy tokens
-        hidden = torch.cat([feats[f"layer_{i}"] for i in self.layers], dim=-1)
-        outputs = model.draft.unroll(model.draft.fuse(hidden), model.embed(ids), depth)
-        counter.start()
-        for j, out in enumerate(outputs):
-            shift = 2 + j
-            if shift >= width:
-                break
-            keep = lab[:, shift:] != IGNORE_INDEX  # greedy tokens: the data is the target's argmax
-            if keep.any():
-                logits = model.draft.logits(out[:, : width - shift][keep]).float()
-                counter.add(j, keep, logits, model.draft.draft_index(lab[:, shift:][keep]))
 
     def report(self, metrics: dict[str, float]) -> str:
         """Per-depth acceptance as a table, with the chain τ it implies."""
@@ -344,7 +386,11 @@ class Method(TokenCounts):
                     cells = [metrics.get(f"{prefix}step{j}_{key}") for key in ("top1", "accept", "accept_top5")]
                     rows.append(f"  {f'depth {j} (token t+{j + 1})':32}"
                                 + "".join(f"{c:8.3f}" if c is not None else f"{'':8}" for c in cells))
-            rows.append(f"  {'chain tau (tokens / target step)':32}{metrics[f'{prefix}tau_chain']:8.2f}")
+            rows.append(f"  {'chain tau (mean over positions)':32}{metrics[f'{prefix}tau_chain']:8.2f}")
+            for key, title in (("tau_walk_chain", f"chain tau (engine walk, {depth})"),
+                               ("tau_walk_tree", "default tree tau (engine walk)")):
+                if f"{prefix}{key}" in metrics:
+                    rows.append(f"  {title:32}{metrics[f'{prefix}{key}']:8.2f}")
         return "\n".join(rows)
 
     # -- checkpoints ------------------------------------------------------------------------------------------------

@@ -194,6 +194,32 @@ def expected_accept_length(choices: Sequence[Path_], accuracy: Sequence[Sequence
     return 1.0 + sum(math.prod(accuracy[d][r] for d, r in enumerate(p)) for p in choices)
 
 
+def accepted_drafts(choices: Sequence[Path_], ranks: Sequence[int]) -> int:
+    """Drafts a static tree gets accepted in greedy decoding at a root where the target's next tokens ranked
+    `ranks[d]` among depth d+1's candidates (-1: not among them, or no such token): the depth of the longest prefix
+    of `ranks` that is a path of the tree."""
+    paths = choices if isinstance(choices, frozenset) else frozenset(map(tuple, choices))
+    depth = 0
+    while depth < len(ranks) and ranks[depth] >= 0 and tuple(ranks[: depth + 1]) in paths:
+        depth += 1
+    return depth
+
+
+def walk_forwards(choices: Sequence[Path_], ranks: Sequence[Sequence[int]], new_tokens: int) -> int:
+    """Target forwards a greedy decode of `new_tokens` tokens takes with a static tree and deterministic drafts, the
+    prefill included, as the engine counts them. ranks[c - 1] are the ranks (see `accepted_drafts`) at the root
+    reached after c committed tokens, for c = 1 .. new_tokens - 1.
+
+    Each step starts where the last one ended, so the steps land more often in the hard stretches of a text than a
+    mean over every position assumes: the walk, not that mean, is the τ = tokens / forwards an engine measures."""
+    paths = frozenset(map(tuple, choices))
+    committed, forwards = min(1, new_tokens), 1  # the prefill's forward makes the first token
+    while committed < new_tokens:
+        committed = min(committed + accepted_drafts(paths, ranks[committed - 1]) + 1, new_tokens)
+        forwards += 1
+    return forwards
+
+
 def default_tree_path(num_heads: int) -> Path:
     """The shipped default tree for a drafter with `num_heads` heads (1-5; more heads use the 5-head tree)."""
     return Path(str(resources.files("inference.engine") / TREE_DIR / f"medusa_{min(max(num_heads, 1), 5)}heads.json"))
