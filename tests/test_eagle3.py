@@ -313,17 +313,17 @@ def test_walk_estimate_equals_the_engines_forwards(tiny_lm, choices):
     counter = RankCounter(depth=5)
     for ids, mask, labels in greedy_continuations(tiny_lm, prompts, new, tokenizer, batch_size=1):
         record_ranks(module, draft.config.layers, ids, mask, labels, 5, counter)
-    assert len(counter.texts) == len(prompts)
+    assert len(counter.walk.texts) == len(prompts)
     tree = build_tree(choices, num_heads=max(map(len, choices)), topk=2)
     forwards = 0
-    for prompt, (ranks, made) in zip(prompts, counter.texts):
+    for prompt, (ranks, made) in zip(prompts, counter.walk.texts):
         out = generate(tiny_lm, torch.tensor([prompt]), Eagle3Drafter(draft, tree, tiny_lm.get_input_embeddings()),
                        DecodeConfig(max_new_tokens=new))
         assert out.stats.new_tokens == made
         assert walk_forwards(choices, ranks, made) == out.stats.target_forwards
         forwards += out.stats.target_forwards
     assert forwards < new * len(prompts)  # drafts were accepted: the equality is not the trivial one
-    assert counter.walk_tau(choices) == pytest.approx(new * len(prompts) / forwards)
+    assert counter.walk.tau(choices) == pytest.approx(new * len(prompts) / forwards)
 
 
 def test_build_tree_times_eagle3_drafting_per_depth(tiny_lm):

@@ -151,3 +151,36 @@ def test_soft_labels_without_the_target_lm_head_are_refused():
     heads, _ = make_heads()
     with pytest.raises(ValueError, match="base_lm_head"):
         medusa_loss(heads, torch.randn(1, 6, D), torch.randint(0, V, (1, 6)), 0.8, soft_weight=0.5)
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("tree", ["chain", "default"])
+def test_walk_estimate_equals_the_engines_tau(tiny_lm_factory, tree):
+    """medusa1's evaluation on the target's greedy continuations replays them through the engine's chain and default
+    tree (`ContinuationWalk`): its τ equals the engine's tokens / target forwards on the same prompts, with the same
+    heads (fp32, greedy), and drafts were accepted, so the equality is not the trivial one."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from inference.bench.engine_check import lm_head_heads
+    from inference.drafters.medusa import MedusaDrafter
+    from inference.engine.loop import DecodeConfig, generate
+    from inference.engine.tree import load_tree
+    from tests.test_lookahead import repetitive_prompts
+    from train.medusa1 import MedusaTrainModule, Method
+
+    model = tiny_lm_factory("llama")
+    heads = lm_head_heads(model, 3)
+    prompts, new = repetitive_prompts(5, 4), 24
+    cfg = OmegaConf.create({"method": {"num_heads": 3}, "eval": {"greedy_new_tokens": new, "max_batches": None},
+                            "training": {"per_device_eval_batch_size": 1}})
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
+    metrics = Method(cfg).evaluate(MedusaTrainModule(model, heads), [], tokenizer, prompts)
+    drafter = MedusaDrafter(heads, load_tree(tree, num_heads=3, topk=10), model.get_output_embeddings())
+    tokens = forwards = 0
+    for prompt in prompts:
+        stats = generate(model, torch.tensor([prompt]), drafter, DecodeConfig(max_new_tokens=new)).stats
+        tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forwards
+    assert forwards < tokens
+    assert metrics[f"greedy_tau_walk_{'tree' if tree == 'default' else tree}"] == pytest.approx(tokens / forwards)

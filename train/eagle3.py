@@ -15,7 +15,7 @@ all right, is the acceptance a_j of depth j+1 of a greedy chain; a chain of dept
 evaluation measures them on the target's own greedy continuations of validation prompts (what the engine meets), per
 rank, and the checkpoint keeps that [depth][rank] table for the engine's default tree. That τ is a mean over every
 position; the engine's steps start where the previous one ended, so they land more often where drafts fail, and
-evaluation also replays the continuations step by step (`RankCounter.walk_tau`): the τ the engine measures on the
+evaluation also replays the continuations step by step (`ContinuationWalk`): the τ the engine measures on the
 same prompts, for a chain and for the default tree.
 Dimension letters: B batch, T time, L fused layers, D hidden, S draft vocabulary, k soft-label width, N positions.
 """
@@ -34,12 +34,12 @@ from torch.nn import functional as F
 from data.chat import IGNORE_INDEX
 from data.errors import UsageError
 from inference.drafters.eagle3 import default_tree
-from inference.engine.tree import chain_choices, walk_forwards
+from inference.engine.tree import chain_choices
 from models.checkpoint import most_frequent
 from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
 from models.loading import model_config
 from train.distributed import gathered
-from train.medusa1 import greedy_continuations, spread_topk
+from train.medusa1 import ContinuationWalk, greedy_continuations, spread_topk
 from train.method import StepOutput, TokenCounts
 
 log = logging.getLogger("draftsmith")
@@ -164,7 +164,7 @@ class RankCounter:
     """Per depth, over an evaluation: where the target's token ranked among the draft's candidates (r < RANKS) at the
     positions whose chain was accepted so far (every shallower top-1 right): the conditional [depth][rank] hit rates
     a tree is built from, and the marginal top-1 over every position. It also keeps each continuation's ranks by
-    root, which `walk_tau` replays the way the engine steps through a text."""
+    root, which its `walk` replays the way the engine steps through a text."""
 
     def __init__(self, depth: int) -> None:
         self.hits = torch.zeros(depth, RANKS, dtype=torch.float64)
@@ -173,7 +173,7 @@ class RankCounter:
         self.chain = ChainCounter(depth)
         self.depth = depth
         self.ranks: torch.Tensor | None = None  # [B, T, depth] this batch's rank of the target's token, -1: none
-        self.texts: list[tuple[list[list[int]], int]] = []  # per continuation: (ranks at the root after c tokens, N)
+        self.walk = ContinuationWalk()
 
     def start(self) -> None:
         """A new batch: chains start again."""
@@ -192,29 +192,14 @@ class RankCounter:
         b, width = keep.shape
         if self.ranks is None:
             self.ranks = torch.full((b, width + 2 + j, self.depth), -1, dtype=torch.long)
-        rank = torch.where(hit.any(-1), hit.long().argmax(-1), -1).cpu()  # [N]
+        rank = torch.where(hit.any(-1), hit.long().argmax(-1), -1).cpu()  # [N], as `candidate_ranks`
         self.ranks[:, :width, j][keep.cpu()] = rank
 
     def finish(self, labels: torch.Tensor) -> None:
-        """The batch's continuations: labels [B, T] (right-padded rows, the generated tokens marked) say where each
-        starts (P) and how many tokens it has (N); the root after c committed tokens is position P + c - 2."""
+        """The batch's continuations, labels [B, T] (right-padded rows, the generated tokens marked), into the walk."""
         if self.ranks is None:  # nothing scored (continuations of a token or two): no draft accepted anywhere
             self.ranks = torch.full((*labels.shape, self.depth), -1, dtype=torch.long)
-        for row, lab in zip(self.ranks, labels.cpu()):
-            made = (lab != IGNORE_INDEX).nonzero().flatten()
-            if len(made) == 0:
-                continue
-            start, new = int(made[0]), len(made)
-            self.texts.append((row[start - 1 : start + new - 2].tolist(), new))
-
-    def walk_tau(self, choices: list[tuple[int, ...]]) -> float:
-        """τ = tokens / target forwards, prefill included, of decoding the continuations with the static tree
-        `choices` (greedy), each step starting where the last ended, as the engine does: the estimate to hold
-        against the engine's τ on the same prompts. The mean over positions (`ChainCounter`) overstates it where
-        easy and hard stretches alternate, because steps land more often in the hard ones."""
-        tokens = sum(new for _, new in self.texts)
-        forwards = sum(walk_forwards(choices, ranks, new) for ranks, new in self.texts)
-        return tokens / forwards if forwards else float("nan")
+        self.walk.add(self.ranks, labels)
 
     def table(self) -> list[list[float]]:
         """[depth][rank] conditional hit rates (a depth never reached is all zeros)."""
@@ -368,8 +353,8 @@ class Method(TokenCounts):
                 metrics[f"greedy_step{j + 1}_accept"] = row[0]
                 metrics[f"greedy_step{j + 1}_accept_top5"] = sum(row[:5])
             metrics["greedy_tau_chain"] = chain_tau([row[0] for row in self.acceptance])
-            metrics["greedy_tau_walk_chain"] = counter.walk_tau(chain_choices(depth))
-            metrics["greedy_tau_walk_tree"] = counter.walk_tau(default_tree(self.acceptance))
+            metrics["greedy_tau_walk_chain"] = counter.walk.tau(chain_choices(depth))
+            metrics["greedy_tau_walk_tree"] = counter.walk.tau(default_tree(self.acceptance))
         return metrics
 
     def report(self, metrics: dict[str, float]) -> str:

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
 
+from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
+from inference.engine.tree import chain_choices, default_tree_path, read_tree_file, walk_forwards
 from models.backbone import final_hidden
 from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
@@ -33,6 +35,7 @@ from train.method import StepOutput, TokenCounts
 log = logging.getLogger("draftsmith")
 
 TOPK = (1, 5)
+RANKS = 10  # candidates per head the engine-walk estimate looks at (the engine's trees use ranks < 10)
 
 
 class MedusaTrainModule(nn.Module):
@@ -228,17 +231,21 @@ class Method(TokenCounts):
         metrics = counter.result()
         if prompts:
             log.info("evaluation: heads on the target's greedy continuations of %d prompts", len(prompts))
-            greedy = AccuracyCounter()
+            greedy, walk = AccuracyCounter(), ContinuationWalk()
             for input_ids, attention_mask, labels in greedy_continuations(
                 model.target, prompts, self.cfg.eval.greedy_new_tokens, tokenizer, self.cfg.training.per_device_eval_batch_size
             ):
                 batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-                self._score(model, batch, greedy, "greedy_", backbone=False)
+                self._score(model, batch, greedy, "greedy_", backbone=False, walk=walk)
             metrics.update(greedy.result())
+            heads = self.m.num_heads
+            metrics["greedy_tau_walk_chain"] = walk.tau(chain_choices(heads))
+            metrics["greedy_tau_walk_tree"] = walk.tau(  # the engine's default tree for this many heads
+                [c for c in read_tree_file(default_tree_path(heads)) if len(c) <= heads])
         return metrics
 
     def _score(self, model, batch: dict[str, torch.Tensor], counter: AccuracyCounter, prefix: str,
-               backbone: bool = True) -> None:
+               backbone: bool = True, walk: ContinuationWalk | None = None) -> None:
         device = next(model.heads.parameters()).device
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch["labels"]
@@ -248,11 +255,16 @@ class Method(TokenCounts):
             base_logits = lm_head(hidden.to(lm_head.weight.dtype) if lm_head.weight.is_floating_point() else hidden)
             counter.add(f"{prefix}backbone", base_logits[:, :-1].float(), labels[:, 1:])
         shared = lm_head if model.heads.config.share_lm_head else None
+        ranks = []
         for k in range(model.heads.config.num_heads):
             logits = model.heads.head_logits(k, hidden, shared).float()  # [B, T, V]
             # a target outside a draft vocabulary maps to S, which no top-k index equals: it counts as a miss
             targets = model.heads.draft_targets(head_targets(labels, k + 1), missing=logits.shape[-1])
             counter.add(f"{prefix}head{k + 1}", logits, targets)
+            if walk is not None:
+                ranks.append(candidate_ranks(logits, targets, RANKS))  # [B, T]
+        if walk is not None:
+            walk.add(torch.stack(ranks, dim=-1), labels)  # head k at t: token t+k+1, depth k of the root at t
 
     def param_groups(self, model: MedusaTrainModule, learning_rate: float) -> None:
         return None  # heads only: HF Trainer's default single group
@@ -270,6 +282,9 @@ class Method(TokenCounts):
             for name in names:
                 label = "backbone (predicts t+1)" if name == "backbone" else f"head {name[4:]} (predicts t+{int(name[4:]) + 1})"
                 rows.append(f"  {label:30}{metrics[f'{prefix}{name}_top1']:8.3f}{metrics[f'{prefix}{name}_top5']:8.3f}")
+            for key, label in (("tau_walk_chain", "chain tau (engine walk)"), ("tau_walk_tree", "default tree tau (walk)")):
+                if f"{prefix}{key}" in metrics:
+                    rows.append(f"  {label:30}{metrics[f'{prefix}{key}']:8.2f}")
         return "\n".join(rows)
 
     def save(self, model: MedusaTrainModule, output_dir: Path, tokenizer: Any, extra: dict[str, Any]) -> None:
@@ -279,6 +294,40 @@ class Method(TokenCounts):
     def load(self, model: MedusaTrainModule, checkpoint_dir: Path) -> None:
         loaded = load_drafter(checkpoint_dir)
         model.heads.load_state_dict(loaded.heads.state_dict())
+
+
+class ContinuationWalk:
+    """The ranks a drafter gave the target's greedy tokens (`greedy_continuations`), kept per continuation by the root
+    the engine drafts from, to replay a static tree's greedy decode step by step: τ = tokens / target forwards, as the
+    engine counts them on the same prompts (`inference.engine.tree.walk_forwards`). A mean of accepted lengths over
+    every position overstates it where easy and hard stretches alternate: each step starts where the last one ended,
+    so steps land more often where drafts fail."""
+
+    def __init__(self) -> None:
+        self.texts: list[tuple[list[list[int]], int]] = []  # per continuation: (ranks at the root after c tokens, N)
+
+    def add(self, ranks: torch.Tensor, labels: torch.Tensor) -> None:
+        """ranks [B, T, H]: at position t, where token t+2+d ranked among depth d+1's candidates (-1: not among them,
+        or no such token); labels [B, T] mark each row's generated tokens, right after its prompt. The root after c
+        committed tokens is the position whose next token is the c-th: P + c - 2 for a prompt ending at P - 1."""
+        for row, lab in zip(ranks.cpu(), labels.cpu()):
+            made = (lab != IGNORE_INDEX).nonzero().flatten()
+            if len(made):
+                start, new = int(made[0]), len(made)
+                self.texts.append((row[start - 1 : start + new - 2].tolist(), new))
+
+    def tau(self, choices: Sequence[Sequence[int]]) -> float:
+        """Tokens per target forward (prefill included) of decoding every continuation greedily with `choices`."""
+        tokens = sum(new for _, new in self.texts)
+        forwards = sum(walk_forwards(choices, ranks, new) for ranks, new in self.texts)
+        return tokens / forwards if forwards else float("nan")
+
+
+def candidate_ranks(logits: torch.Tensor, targets: torch.Tensor, ranks: int) -> torch.Tensor:
+    """logits [..., V], targets [...] -> where each target ranks among the top `ranks` candidates [...], -1 where it
+    is not among them (a target of -100 or outside the vocabulary never is)."""
+    hit = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices == targets[..., None]
+    return torch.where(hit.any(-1), hit.long().argmax(-1), -1)
 
 
 @torch.no_grad()
