@@ -33,12 +33,9 @@ from data.errors import UsageError  # noqa: E402
 from data.features import read_prompts  # noqa: E402
 from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
-from inference.drafters.eagle3 import DynamicTree, Eagle3Drafter, default_tree  # noqa: E402
+from inference.drafters.eagle3 import MAX_DEPTH, MAX_RANK, DynamicTree, Eagle3Drafter, default_tree  # noqa: E402
 from inference.engine.tree import chain_choices, load_tree  # noqa: E402
 from train.eagle3 import Eagle3TrainModule, RankCounter, chain_tau, record_ranks  # noqa: E402
-
-DEPTH = 8  # unrolled steps scored: deeper than any tree here
-
 
 def tree_choices(spec: str, acceptance: list[list[float]]) -> list[tuple[int, ...]]:
     """A static tree's paths, as the engine reads `--tree` for an eagle3 checkpoint."""
@@ -46,7 +43,7 @@ def tree_choices(spec: str, acceptance: list[list[float]]) -> list[tuple[int, ..
         return default_tree(acceptance)
     if spec.startswith("chain:") and spec[6:].isdigit():
         return chain_choices(int(spec[6:]))
-    return list(load_tree(spec, num_heads=DEPTH, topk=10).choices)
+    return list(load_tree(spec, num_heads=MAX_DEPTH, topk=MAX_RANK).choices)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--tree {args.tree}: the walk replays static trees (default, chain:<n>, a tree file)")
         trees = [args.tree] + [t for t in args.also.split(",") if t]
         for spec in trees:
-            tree_choices(spec, [[1.0]])  # the spec parses
+            tree_choices(spec, [])  # the spec parses
         if args.features:
             prompts = read_prompts(args.features)
             if not prompts:
@@ -99,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts[: args.count]
     draft = engine.drafter.draft
     module = Eagle3TrainModule(engine.model, draft)
-    counter = RankCounter(DEPTH)
+    acceptance = draft.config.acceptance or []  # the table the engine builds its default tree from
+    depth = max(max(map(len, tree_choices(spec, acceptance))) for spec in trees)  # unrolled steps the trees need
+    counter = RankCounter(depth)
     tokens = forwards = 0
     for ids in tqdm(prompts, desc="prompts (engine, then the draft's ranks)"):
         out = engine.generate_ids(ids, max_new_tokens=args.max_new_tokens)
@@ -107,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
         text = torch.tensor([list(ids) + list(new)])
         labels = torch.cat([torch.full((len(ids),), IGNORE_INDEX), torch.tensor(new, dtype=torch.long)])[None]
-        record_ranks(module, tuple(draft.config.layers), text, torch.ones_like(text), labels, DEPTH, counter)
-    acceptance = draft.config.acceptance or counter.table()
+        record_ranks(module, tuple(draft.config.layers), text, torch.ones_like(text), labels, depth, counter)
     source = f"--features {args.features}" if args.features else f"--questions {args.questions}"
     print(f"{len(prompts)} prompts ({source}), {tokens} new tokens, greedy, {args.dtype}")
     print(f"{'tree':28}{'nodes':>6}{'engine τ':>10}{'walk τ':>9}{'mean τ':>9}")
