@@ -35,7 +35,9 @@ from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
 from inference.drafters.eagle3 import MAX_DEPTH, MAX_RANK, DynamicTree, Eagle3Drafter, default_tree  # noqa: E402
 from inference.engine.tree import chain_choices, load_tree  # noqa: E402
+from models.eagle3 import check_eagle3_checkpoint  # noqa: E402
 from train.eagle3 import Eagle3TrainModule, RankCounter, chain_tau, record_ranks  # noqa: E402
+
 
 def tree_choices(spec: str, acceptance: list[list[float]]) -> list[tuple[int, ...]]:
     """A static tree's paths, as the engine reads `--tree` for an eagle3 checkpoint."""
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:  # every input is checked before the model loads
+        check_eagle3_checkpoint(args.drafter)  # an eagle3 checkpoint with sound maps
         if args.tree.startswith("dynamic"):
             raise UsageError(f"--tree {args.tree}: the walk replays static trees (default, chain:<n>, a tree file)")
         trees = [args.tree] + [t for t in args.also.split(",") if t]
@@ -88,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not isinstance(engine.drafter, Eagle3Drafter) or isinstance(engine.drafter.tree, DynamicTree):
-        print(f"error: --drafter {args.drafter}: not an eagle3 checkpoint", file=sys.stderr)
-        return 2
+    assert isinstance(engine.drafter, Eagle3Drafter) and not isinstance(engine.drafter.tree, DynamicTree)
     if prompts is None:
         prompts = [engine.encode(q.turns[0]) for q in questions]
     prompts = prompts[: args.count]

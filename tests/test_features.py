@@ -231,6 +231,8 @@ def test_eagle3_trains_and_serves_losslessly(model_dir, data_file, full_cache, t
                              (["--features", str(tmp_path)], "no held-out prompts there")):
             result = run(walk[:4] + bad, expect_ok=False)
             assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
+        result = run(walk[:3] + [str(tmp_path)], expect_ok=False)  # not a checkpoint: refused before a model loads
+        assert result.returncode == 2 and "config.json: missing" in result.stderr.strip().splitlines()[-1]
 
 
 def test_eagle3_refuses_a_cache_without_its_layers(model_dir, data_file, tmp_path):
