@@ -33,19 +33,18 @@ from data.errors import UsageError  # noqa: E402
 from data.features import read_prompts  # noqa: E402
 from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
-from inference.drafters.eagle3 import MAX_DEPTH, MAX_RANK, DynamicTree, Eagle3Drafter, default_tree  # noqa: E402
-from inference.engine.tree import chain_choices, load_tree  # noqa: E402
+from inference.drafters.eagle3 import DynamicTree, Eagle3Drafter, eagle3_tree  # noqa: E402
+from inference.engine.tree import chain_choices  # noqa: E402
 from models.eagle3 import check_eagle3_checkpoint  # noqa: E402
 from train.eagle3 import Eagle3TrainModule, RankCounter, chain_tau, record_ranks  # noqa: E402
 
 
 def tree_choices(spec: str, acceptance: list[list[float]]) -> list[tuple[int, ...]]:
-    """A static tree's paths, as the engine reads `--tree` for an eagle3 checkpoint."""
-    if spec == "default":
-        return default_tree(acceptance)
-    if spec.startswith("chain:") and spec[6:].isdigit():
-        return chain_choices(int(spec[6:]))
-    return list(load_tree(spec, num_heads=MAX_DEPTH, topk=MAX_RANK).choices)
+    """A static tree's paths, read as the engine reads `--tree` for an eagle3 checkpoint (`eagle3_tree`)."""
+    tree = eagle3_tree(spec, acceptance, "cpu")
+    if isinstance(tree, DynamicTree):
+        raise UsageError(f"--tree {spec}: the walk replays static trees (default, chain:<n>, a tree file)")
+    return list(tree.choices)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,12 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:  # every input is checked before the model loads
-        check_eagle3_checkpoint(args.drafter)  # an eagle3 checkpoint with sound maps
-        if args.tree.startswith("dynamic"):
-            raise UsageError(f"--tree {args.tree}: the walk replays static trees (default, chain:<n>, a tree file)")
-        trees = [args.tree] + [t for t in args.also.split(",") if t]
-        for spec in trees:
-            tree_choices(spec, [])  # the spec parses
+        config = check_eagle3_checkpoint(args.drafter)  # an eagle3 checkpoint with sound maps
+        acceptance = config.acceptance or []  # the table the engine builds its default tree from
+        trees = {spec: tree_choices(spec, acceptance) for spec in [args.tree, *args.also.split(",")] if spec}
         if args.features:
             prompts = read_prompts(args.features)
             if not prompts:
@@ -97,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts[: args.count]
     draft = engine.drafter.draft
     module = Eagle3TrainModule(engine.model, draft)
-    acceptance = draft.config.acceptance or []  # the table the engine builds its default tree from
-    depth = max(max(map(len, tree_choices(spec, acceptance))) for spec in trees)  # unrolled steps the trees need
+    depth = max(max(map(len, choices)) for choices in trees.values())  # unrolled steps the trees need
     counter = RankCounter(depth)
     tokens = forwards = 0
     for ids in tqdm(prompts, desc="prompts (engine, then the draft's ranks)"):
@@ -111,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     source = f"--features {args.features}" if args.features else f"--questions {args.questions}"
     print(f"{len(prompts)} prompts ({source}), {tokens} new tokens, greedy, {args.dtype}")
     print(f"{'tree':28}{'nodes':>6}{'engine τ':>10}{'walk τ':>9}{'mean τ':>9}")
-    for spec in trees:
-        choices = tree_choices(spec, acceptance)
+    for spec, choices in trees.items():
         engine_tau = f"{tokens / forwards:10.3f}" if spec == args.tree else f"{'':10}"
         chain = choices == chain_choices(len(choices))
         rates = [row[0] for row in counter.table()[: len(choices)]]

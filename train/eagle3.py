@@ -39,7 +39,7 @@ from models.checkpoint import most_frequent
 from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
 from models.loading import model_config
 from train.distributed import gathered
-from train.medusa1 import ContinuationWalk, greedy_continuations, spread_topk
+from train.medusa1 import ContinuationWalk, greedy_continuations, hit_rank, spread_topk
 from train.method import StepOutput, TokenCounts
 
 log = logging.getLogger("draftsmith")
@@ -192,8 +192,7 @@ class RankCounter:
         b, width = keep.shape
         if self.ranks is None:
             self.ranks = torch.full((b, width + 2 + j, self.depth), -1, dtype=torch.long)
-        rank = torch.where(hit.any(-1), hit.long().argmax(-1), -1).cpu()  # [N], as `candidate_ranks`
-        self.ranks[:, :width, j][keep.cpu()] = rank
+        self.ranks[:, :width, j][keep.cpu()] = hit_rank(hit).cpu()  # [N]
 
     def finish(self, labels: torch.Tensor) -> None:
         """The batch's continuations, labels [B, T] (right-padded rows, the generated tokens marked), into the walk."""

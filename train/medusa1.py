@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from data.chat import IGNORE_INDEX
 from data.collate import left_pad
 from data.errors import UsageError
-from inference.engine.tree import chain_choices, default_tree_path, read_tree_file, walk_forwards
+from inference.engine.tree import chain_choices, load_tree, walk_forwards
 from models.backbone import final_hidden
 from models.checkpoint import load_drafter, most_frequent, save_drafter
 from models.medusa import MedusaConfig, MedusaHeads, head_targets
@@ -240,8 +240,8 @@ class Method(TokenCounts):
             metrics.update(greedy.result())
             heads = self.m.num_heads
             metrics["greedy_tau_walk_chain"] = walk.tau(chain_choices(heads))
-            metrics["greedy_tau_walk_tree"] = walk.tau(  # the engine's default tree for this many heads
-                [c for c in read_tree_file(default_tree_path(heads)) if len(c) <= heads])
+            default = load_tree("default", heads, RANKS).choices  # the engine's default tree for this many heads
+            metrics["greedy_tau_walk_tree"] = walk.tau(default)
         return metrics
 
     def _score(self, model, batch: dict[str, torch.Tensor], counter: AccuracyCounter, prefix: str,
@@ -326,7 +326,11 @@ class ContinuationWalk:
 def candidate_ranks(logits: torch.Tensor, targets: torch.Tensor, ranks: int) -> torch.Tensor:
     """logits [..., V], targets [...] -> where each target ranks among the top `ranks` candidates [...], -1 where it
     is not among them (a target of -100 or outside the vocabulary never is)."""
-    hit = logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices == targets[..., None]
+    return hit_rank(logits.topk(min(ranks, logits.shape[-1]), dim=-1).indices == targets[..., None])
+
+
+def hit_rank(hit: torch.Tensor) -> torch.Tensor:
+    """hit [..., R] (candidate r is the target) -> the rank of the hit [...], -1 where none."""
     return torch.where(hit.any(-1), hit.long().argmax(-1), -1)
 
 
