@@ -20,6 +20,32 @@ def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device: torch.dev
     return ids, mask
 
 
+def length_batches(lengths: Sequence[int], max_rows: int, extra: int = 0, max_padding: float = 0.25
+                   ) -> list[list[int]]:
+    """Row indices grouped into left-padded batches of rows of about one length: longest first, a batch takes the next
+    row while it has fewer than `max_rows` rows and its padding stays at most `max_padding` of its padded tokens.
+    Each row counts its length + `extra` (tokens to be generated after the prompt, which pad nothing). One long prompt
+    among short ones then runs alone instead of padding a whole batch to its length. Deterministic in the lengths."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows={max_rows}: a batch needs at least one row")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    real = 0  # tokens of the rows in `current`, extra included
+    for i in order:
+        size = lengths[i] + extra
+        if current:
+            padded = (len(current) + 1) * (lengths[current[0]] + extra)  # the first (longest) row sets the width
+            if len(current) == max_rows or padded - (real + size) > max_padding * padded:
+                batches.append(current)
+                current, real = [], 0
+        current.append(i)
+        real += size
+    if current:
+        batches.append(current)
+    return batches
+
+
 @dataclass(frozen=True)
 class ChatCollator:
     """Right-pads a list of samples into LongTensors input_ids / attention_mask / labels, each [B, T].

@@ -311,8 +311,9 @@ def test_walk_estimate_equals_the_engines_forwards(tiny_lm, choices):
     prompts, new = repetitive_prompts(11, 4), 24
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=None)
     counter = RankCounter(depth=5)
-    for ids, mask, labels in greedy_continuations(tiny_lm, prompts, new, tokenizer, batch_size=1):
-        record_ranks(module, draft.config.layers, ids, mask, labels, 5, counter)
+    for prompt in prompts:  # one at a time: greedy_continuations batches by length, so its order is not the prompts'
+        for ids, mask, labels in greedy_continuations(tiny_lm, [prompt], new, tokenizer, batch_size=1):
+            record_ranks(module, draft.config.layers, ids, mask, labels, 5, counter)
     assert len(counter.walk.texts) == len(prompts)
     tree = build_tree(choices, num_heads=max(map(len, choices)), topk=2)
     forwards = 0

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from data.chat import IGNORE_INDEX
-from data.collate import left_pad
+from data.collate import left_pad, length_batches
 from data.errors import UsageError
 from inference.engine.tree import chain_choices, load_tree, walk_forwards
 from models.backbone import final_hidden
@@ -337,11 +337,13 @@ def hit_rank(hit: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def greedy_continuations(target: nn.Module, prompts: list[list[int]], max_new_tokens: int, tokenizer: Any, batch_size: int):
     """Yield (input_ids [B, T], attention_mask [B, T], labels [B, T]) where labels mark only generated tokens up to
-    and including EOS. Prompts are left-padded, so positions come from the attention mask."""
+    and including EOS. Prompts are left-padded, so positions come from the attention mask; batches group prompts of
+    about one length (`length_batches`, at most `batch_size` rows), so a long prompt does not pad a batch of short
+    ones to its length. Batches come longest first, not in the order of `prompts`."""
     device = next(target.parameters()).device
     pad = tokenizer.pad_token_id
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
+    for rows in length_batches([len(p) for p in prompts], batch_size, extra=max_new_tokens):
+        chunk = [prompts[i] for i in rows]
         input_ids, attention_mask = left_pad(chunk, pad, device)  # [B, width] each
         width = input_ids.shape[1]
         out = target.generate(
