@@ -60,6 +60,7 @@ class Eagle3Config:
     draft_vocab_size: int  # S
     ttt_steps: int = 1  # unrolled steps it was trained with (informs the default tree depth)
     acceptance: list[list[float]] = field(default_factory=list)  # [depth][rank] measured hit rates, when known
+    intermediate_size: int | None = None  # the draft layer's MLP width; None: the target's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
@@ -67,6 +68,11 @@ class Eagle3Config:
         if not self.layers or any(not 0 <= i <= num_layers for i in self.layers) or len(set(self.layers)) != len(self.layers):
             raise Eagle3ConfigError(f"layers {list(self.layers)}: need distinct hidden_states indices in "
                                     f"[0, {num_layers}] (the target's num_hidden_layers)")
+        if self.intermediate_size is not None and (isinstance(self.intermediate_size, bool)
+                                                   or not isinstance(self.intermediate_size, int)
+                                                   or self.intermediate_size < 1):
+            raise Eagle3ConfigError(f"intermediate_size {self.intermediate_size!r}: must be a positive integer (the "
+                                    f"draft layer's MLP width) or null (the target's)")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise Eagle3ConfigError(f"draft_vocab_size {self.draft_vocab_size}: must be in [1, {self.vocab_size}] "
                                     f"(the target's vocabulary)")
@@ -79,14 +85,21 @@ class Eagle3Config:
     def vocab_size(self) -> int:
         return int(self.target["vocab_size"])
 
+    @property
+    def mlp_width(self) -> int:
+        """The draft layer's MLP width: `intermediate_size`, else the target's."""
+        return self.intermediate_size if self.intermediate_size is not None else int(self.target["intermediate_size"])
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "layers": list(self.layers)}
 
     def target_config(self, attn_implementation: str = "sdpa") -> PretrainedConfig:
-        """The target's architecture config with one layer (what `midlayer` is built from)."""
+        """The target's architecture config with one layer and the draft's MLP width (what `midlayer` is built from)."""
         raw = {k: v for k, v in self.target.items() if k not in ("architectures", "_name_or_path")}
         model_type = raw.pop("model_type")
         raw["num_hidden_layers"] = 1
+        if self.intermediate_size is not None:
+            raw["intermediate_size"] = self.intermediate_size
         raw.pop("layer_types", None)  # per-layer lists sized for the full depth
         return AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **raw)
 

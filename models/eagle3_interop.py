@@ -201,7 +201,7 @@ def foreign_config(config: Eagle3Config, dtype: torch.dtype, ours: dict[str, Any
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": d,
-        "intermediate_size": int(target["intermediate_size"]),
+        "intermediate_size": config.mlp_width,
         "num_attention_heads": heads,
         "num_key_value_heads": int(target.get("num_key_value_heads") or heads),
         "head_dim": int(target.get("head_dim") or d // heads),
@@ -308,11 +308,12 @@ def _architecture(config: dict[str, Any]) -> dict[str, Any]:
 
 def imported_target(raw: dict[str, Any], num_hidden_layers: int, saved: dict[str, Any] | None) -> dict[str, Any]:
     """Eagle3Config.target for the draft `raw`: the saved draftsmith target when it describes the same layer for a
-    target of the same depth (a lossless round trip), else a Llama config built from the draft's own fields."""
+    target of the same depth (a lossless round trip; the MLP width may differ: a wider draft keeps it in
+    Eagle3Config.intermediate_size), else a Llama config built from the draft's own fields."""
     if (isinstance(saved, dict) and saved.get("num_hidden_layers") == num_hidden_layers
             and all(k in saved for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
                                          "rms_norm_eps"))
-            and _architecture(saved) == _architecture(raw)):
+            and {**_architecture(saved), "intermediate_size": None} == {**_architecture(raw), "intermediate_size": None}):
         return saved
     arch = _architecture(raw)
     return {"model_type": "llama", **arch, "num_hidden_layers": num_hidden_layers,
@@ -360,10 +361,12 @@ def imported_config(raw: dict[str, Any], base: str | None, base_config: dict[str
     if head is not None and head.shape[0] != size:
         raise CheckpointError(f"{config_file}: draft_vocab_size={size} but lm_head.weight has {head.shape[0]} rows")
     reused = target is saved.get("target")
+    width = int(raw["intermediate_size"])
     try:
         return Eagle3Config(target=target, layers=imported_layers(raw, depth, config_file), draft_vocab_size=size,
                             ttt_steps=int(saved.get("ttt_steps", 1)) if reused else 1,
-                            acceptance=list(saved.get("acceptance", [])) if reused else [])
+                            acceptance=list(saved.get("acceptance", [])) if reused else [],
+                            intermediate_size=width if width != int(target["intermediate_size"]) else None)
     except Eagle3ConfigError as e:
         raise CheckpointError(f"{config_file}: {e}") from None
 

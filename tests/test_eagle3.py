@@ -31,9 +31,11 @@ from train.medusa1 import greedy_continuations
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def random_draft(arch: str = "llama", layers=(1, 2), draft_vocab: int = 64, seed: int = 0) -> Eagle3Draft:
+def random_draft(arch: str = "llama", layers=(1, 2), draft_vocab: int = 64, seed: int = 0,
+                 intermediate_size: int | None = None) -> Eagle3Draft:
     torch.manual_seed(seed)
-    config = Eagle3Config(target=tiny_config(arch).to_dict(), layers=layers, draft_vocab_size=draft_vocab)
+    config = Eagle3Config(target=tiny_config(arch).to_dict(), layers=layers, draft_vocab_size=draft_vocab,
+                          intermediate_size=intermediate_size)
     draft = Eagle3Draft(config)
     draft.set_draft_vocab(torch.randperm(config.vocab_size)[:draft_vocab])
     for p in draft.parameters():
@@ -43,11 +45,15 @@ def random_draft(arch: str = "llama", layers=(1, 2), draft_vocab: int = 64, seed
 
 # --- the draft model ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_unrolled_steps_equal_the_cached_step_forward(arch):
+@pytest.mark.parametrize("arch,width", [("llama", None), ("qwen2", None), ("llama", 160)],
+                         ids=["llama", "qwen2", "llama-wider-mlp"])
+def test_unrolled_steps_equal_the_cached_step_forward(arch, width):
     """Training-time test's step j at position t equals feeding, with the stock attention and a cache, step 0's pairs
-    (causal) and then the chain at t (fp64, 1e-12): the engine drafts exactly what training unrolled."""
-    draft = random_draft(arch).double()
+    (causal) and then the chain at t (fp64, 1e-12): the engine drafts exactly what training unrolled. Also for a draft
+    layer whose MLP is wider than the target's (method.intermediate_size)."""
+    draft = random_draft(arch, intermediate_size=width).double()
+    if width is not None:
+        assert draft.midlayer.mlp.up_proj.out_features == width
     b, t, d = 2, 8, 32
     hidden, embeds = torch.randn(b, t, d, dtype=torch.double), torch.randn(b, t, d, dtype=torch.double)
     unrolled = draft.unroll(hidden, embeds, 3)
@@ -161,6 +167,8 @@ def test_greedy_output_is_plain_greedy(tiny_lm, tree_name):
     assert close.stats.mean_accepted > 0.1, close.stats.accepted
     far = generate(tiny_lm, ids, Eagle3Drafter(random_draft(), tree, embed), config, attention_mask=mask)
     assert far.sequences == plain
+    wide = random_draft(intermediate_size=160)  # a draft layer wider than the target's MLP
+    assert generate(tiny_lm, ids, Eagle3Drafter(wide, tree, embed), config, attention_mask=mask).sequences == plain
 
 
 def first_draft(model: torch.nn.Module, tree, rows: int = 2, sharpness: float = 1.0):

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, Qwen3Config
 
 from models.convert import main as convert_main
-from models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3, read_eagle3_config, save_eagle3
+from models.eagle3 import Eagle3Config, Eagle3ConfigError, Eagle3Draft, load_eagle3, read_eagle3_config, save_eagle3
 from tests.model_support import tiny_config
 
 V, D, N, S = 100, 32, 4, 20
@@ -47,10 +47,12 @@ def target_dict(arch: str = "llama", layers: int = N, vocab_size: int = V) -> di
     return tiny_config(arch, vocab_size=vocab_size, hidden_size=D, layers=layers).to_dict()
 
 
-def random_draft(arch: str = "llama", draft_vocab: int = S, layers: tuple[int, ...] = LAYERS, seed: int = 0) -> Eagle3Draft:
+def random_draft(arch: str = "llama", draft_vocab: int = S, layers: tuple[int, ...] = LAYERS, seed: int = 0,
+                 intermediate_size: int | None = None) -> Eagle3Draft:
     """Every parameter random (norm weights too), over `draft_vocab` random target ids."""
     torch.manual_seed(seed)
-    draft = Eagle3Draft(Eagle3Config(target=target_dict(arch), layers=layers, draft_vocab_size=draft_vocab))
+    draft = Eagle3Draft(Eagle3Config(target=target_dict(arch), layers=layers, draft_vocab_size=draft_vocab,
+                                     intermediate_size=intermediate_size))
     with torch.no_grad():
         for p in draft.parameters():
             p.normal_(0.0, 0.3)
@@ -164,10 +166,37 @@ def test_export_then_import_is_lossless(tmp_path, arch, dtype):
     assert load_file(str(tmp_path / "back" / "drafter.safetensors"))["fc.weight"].dtype == dtype
 
 
-def test_vllm_reader_computes_the_same_logits(tmp_path):
-    draft = random_draft()
+@pytest.mark.parametrize("width", [None, 5 * D], ids=["target-width", "wider"])
+def test_vllm_reader_computes_the_same_logits(tmp_path, width):
+    draft = random_draft(intermediate_size=width)
     exported = export(tmp_path, draft)
+    assert json.loads((exported / "config.json").read_text())["intermediate_size"] == (width or
+                                                                                         target_dict()["intermediate_size"])
     torch.testing.assert_close(vllm_reference_logits(exported), target_logits(draft), rtol=1e-5, atol=1e-5)
+
+
+def test_a_wider_draft_layer_round_trips_and_imports_from_specforge(tmp_path, capsys):
+    """method.intermediate_size: the draft layer's MLP wider than the target's. Export writes it as the layout's
+    intermediate_size (what vLLM / SGLang build the layer from); import gives it back as Eagle3Config.intermediate_size
+    with the target's own config kept, and a SpecForge folder of that width imports against --base."""
+    draft = random_draft(intermediate_size=5 * D)
+    assert draft.midlayer.mlp.down_proj.weight.shape == (D, 5 * D)
+    exported = export(tmp_path, draft)
+    assert convert_main(["eagle3-import", str(exported), str(tmp_path / "back")]) == 0
+    back = load_eagle3(tmp_path / "back")
+    assert back.config.to_dict() == read_eagle3_config(tmp_path / "exported-ours").to_dict()  # the target's own config
+    assert back.config.intermediate_size == 5 * D
+    assert torch.equal(target_logits(back), target_logits(draft))
+    rewrite(exported, config=as_specforge)
+    assert convert_main(["eagle3-import", str(exported), str(tmp_path / "sf"),
+                         "--base", str(save_base(tmp_path / "base"))]) == 0
+    assert torch.equal(target_logits(load_eagle3(tmp_path / "sf")), target_logits(draft))
+
+
+@pytest.mark.parametrize("width", [0, -3, 2.5, True])
+def test_a_bad_draft_width_is_refused(width):
+    with pytest.raises(Eagle3ConfigError, match="intermediate_size"):
+        Eagle3Config(target=target_dict(), layers=LAYERS, draft_vocab_size=S, intermediate_size=width)
 
 
 def test_specforge_folder_imports_with_base(tmp_path, capsys):

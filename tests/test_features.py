@@ -198,11 +198,13 @@ def test_medusa1_trains_from_the_cache(model_dir, data_file, full_cache, tmp_pat
 @pytest.mark.parametrize("source", ["cache", "online"])
 def test_eagle3_trains_and_serves_losslessly(model_dir, data_file, full_cache, tmp_path, source):
     """`train eagle3` from the cache and online (the target's forward each step), then the checkpoint through
-    `load`: greedy output equal to plain greedy decoding, the measured acceptance table stored."""
+    `load`: greedy output equal to plain greedy decoding, the measured acceptance table stored. Online, the draft
+    layer's MLP is wider than the target's (method.intermediate_size)."""
     from inference import load
 
     out = tmp_path / "eagle3"
-    data = [f"data.features={full_cache}"] if source == "cache" else [f"data.path={data_file}"]
+    data = [f"data.features={full_cache}"] if source == "cache" else [f"data.path={data_file}",
+                                                                       "method.intermediate_size=200"]
     run([sys.executable, "-m", "train", "eagle3", "+model=tiny", f"model.path={model_dir}", "model.dtype=fp32",
          "data=sharegpt", "data.self_distill=false", *data, "training.max_steps=3",
          "training.per_device_train_batch_size=4", "method.ttt_steps=2", "method.eval_depth=3", "method.draft_vocab=50",
@@ -210,6 +212,7 @@ def test_eagle3_trains_and_serves_losslessly(model_dir, data_file, full_cache, t
     config = json.loads((out / "config.json").read_text())
     assert config["drafter_type"] == "eagle3" and config["training"]["global_step"] == 3
     assert config["eagle3"]["layers"] == [1, 2] and len(config["eagle3"]["acceptance"]) == 3
+    assert config["eagle3"]["intermediate_size"] == (200 if source == "online" else None)
     walk = config["training"]["metrics"]["eval_greedy_tau_walk_tree"]  # the engine-walk estimate of its default tree
     assert 1.0 <= walk <= 1 + 3  # at most one draft a depth accepted a step
     assert "eval_greedy_step1_top1" in config["training"]["metrics"]

@@ -235,6 +235,8 @@ class Eagle3MethodConfig:
     soft_labels: float = 1.0  # w: w · CE(target's distribution) + (1 - w) · CE(data's next token)
     # start as the target's own head: lm_head rows and final norm copied, fc passing the highest fused layer through
     init_from_lm_head: bool = True
+    # the draft layer's MLP width; null: the target's intermediate_size (EAGLE-3's and SpecForge's default)
+    intermediate_size: Optional[int] = None
     eval_depth: int = 6  # steps unrolled when evaluating (per-depth acceptance for the engine's default tree)
 
 
@@ -327,7 +329,7 @@ RANGES: dict[type, dict[str, Range]] = {
                     "on_policy_fraction": PROBABILITY, "max_new_tokens": POSITIVE,
                     "sample_temperature": Range(0, low_open=True)},
     Eagle3MethodConfig: {"ttt_steps": Range(1, 16), "decay": Range(0, 1, low_open=True), "draft_vocab": POSITIVE,
-                         "soft_labels": PROBABILITY, "eval_depth": Range(1, 16)},
+                         "soft_labels": PROBABILITY, "eval_depth": Range(1, 16), "intermediate_size": POSITIVE},
     FeaturesConfig: {"topk": NATURAL, "batch_tokens": POSITIVE, "shard_tokens": POSITIVE, "prompts": NATURAL},
     StopperConfig: {"max_gamma": Range(2, MAX_DRAFT_TOKENS), "prompts": Range(2),
                     "validation_fraction": Range(0, 1, low_open=True, high_open=True), "max_new_tokens": POSITIVE,
@@ -346,7 +348,8 @@ RESUME_KEYS: dict[str, tuple[str, ...]] = {
     "cllm": ("method.name", "model.path", *_LORA_KEYS),
     "distill": ("method.name", "model.path", "method.draft"),
     "stopper": (),  # fits in one go, never resumes
-    "eagle3": ("method.name", "model.path", "method.layers", "method.draft_vocab"),
+    "eagle3": ("method.name", "model.path", "method.layers", "method.draft_vocab",
+               "method.intermediate_size"),
     "features": (),  # resumes by shard, checked against its manifest (train/features.py)
 }
 

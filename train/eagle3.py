@@ -277,7 +277,8 @@ class Method(TokenCounts):
         size = self.m.draft_vocab if self.m.draft_vocab is not None else min(DEFAULT_DRAFT_VOCAB, vocab_size)
         if size > vocab_size:
             raise UsageError(f"method.draft_vocab={size}: the target's vocabulary has only {vocab_size} tokens")
-        config = Eagle3Config(target=text, layers=self.layers, draft_vocab_size=size, ttt_steps=self.m.ttt_steps)
+        config = Eagle3Config(target=text, layers=self.layers, draft_vocab_size=size, ttt_steps=self.m.ttt_steps,
+                              intermediate_size=self.m.intermediate_size)
         draft = Eagle3Draft(config)
         counts = self.token_counts(vocab_size)
         if counts is not None:
