@@ -86,6 +86,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(inputs, tmp_path, caplog,
 
     assert f"not resuming from {resumed / 'checkpoints' / 'checkpoint-4'}" in caplog.text
     assert f"resuming from {resumed / 'checkpoints' / 'checkpoint-2'}" in caplog.text
+    assert "training: 5 steps," in caplog.text  # its throughput counts the steps it trained, not the checkpoint's
     expected, got = heads(full), heads(resumed)
     assert any(not torch.equal(expected[k], heads(done / "checkpoint-2")[k]) for k in expected)  # it trained on
     assert all(torch.equal(expected[k], got[k]) for k in expected)
@@ -97,7 +98,9 @@ def test_interrupted_then_resumed_equals_uninterrupted(inputs, tmp_path, caplog,
     (resumed / "config.json").unlink()
     run(config(model, data, resumed, "training.resume_from_checkpoint=auto"))
     assert sorted(p.name for p in (resumed / "checkpoints").glob("checkpoint-*"))[-1] == "checkpoint-7"
-    assert json.loads((resumed / "config.json").read_text())["training"]["global_step"] == 7
+    training = json.loads((resumed / "config.json").read_text())["training"]
+    assert training["global_step"] == 7
+    assert training["throughput"]["steps"] == 0 and training["throughput"]["tokens"] == 0  # nothing trained here
     assert all(torch.equal(expected[k], heads(resumed)[k]) for k in expected)
 
 

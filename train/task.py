@@ -31,8 +31,8 @@ from train.prompts import prompt_ids
 from train.resume import check_resume, resolve_resume
 from train.self_distill import trainer_datasets
 from train.tiny_build import ensure_built
-from train.trainer import (TRAINER_CHECKPOINTS, DraftTrainer, LossModule, TimeBudget, TrimHeap, glibc, throughput,
-                           training_arguments)
+from train.trainer import (TRAINER_CHECKPOINTS, DraftTrainer, LossModule, RunStart, TimeBudget, TrimHeap, glibc,
+                           throughput, training_arguments)
 
 log = logging.getLogger("draftsmith")
 MODEL_KEYS = ("model.path", "method.draft")  # the settings that name a model (train.config)
@@ -165,10 +165,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     libc = glibc() if cfg.training.trim_heap and args.device.type == "cpu" else None
     if libc is not None:
         trainer.add_callback(TrimHeap(libc))
+    start = RunStart()
+    trainer.add_callback(start)
     if resume:
         log.info("resuming from %s", resume)
     trained = trainer.train(resume_from_checkpoint=resume)
-    extra["throughput"] = throughput(trained.metrics, trainer.state)
+    extra["throughput"] = throughput(trained.metrics, trainer.state, start)
     log.info("training: %(steps)d steps, %(tokens)d tokens in %(seconds).0f s: %(tokens_per_second).0f tokens/s, "
              "%(seconds_per_step).2f s a step, peak resident memory %(peak_rss_gb).2f GB", extra["throughput"])
     metrics = trainer.evaluate() if n_val else {}

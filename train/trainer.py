@@ -72,6 +72,19 @@ class TimeBudget(TrainerCallback):
         return control
 
 
+class RunStart(TrainerCallback):
+    """Where this process's training began: the optimizer step and input tokens a resumed checkpoint had already
+    counted (read when training begins, after the Trainer restored its state), so `throughput` counts only this run's."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step, self.tokens = int(state.global_step), int(state.num_input_tokens_seen)
+        return control
+
+
 class TrimHeap(TrainerCallback):
     """training.trim_heap on CPU: after every optimizer step, glibc's malloc_trim(0) hands the freed pages inside the
     heap back to the OS. Batches whose shapes vary (packed or chat rows of different lengths) otherwise fragment the
@@ -225,14 +238,15 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
     return args
 
 
-def throughput(train_metrics: dict[str, float], state: Any) -> dict[str, float]:
+def throughput(train_metrics: dict[str, float], state: Any, start: RunStart | None = None) -> dict[str, float]:
     """This process's training figures: optimizer steps, non-padding input tokens, seconds, tokens/s, seconds a step
-    and the peak resident memory so far (GB; ru_maxrss is in KiB on Linux). A resumed run counts its own steps."""
+    and the peak resident memory so far (GB; ru_maxrss is in KiB on Linux). A resumed run counts its own steps and
+    tokens: those after `start`."""
     import resource
 
     seconds = float(train_metrics.get("train_runtime", 0.0))
-    steps = int(state.global_step)
-    tokens = int(state.num_input_tokens_seen)
+    steps = int(state.global_step) - (start.step if start is not None else 0)
+    tokens = int(state.num_input_tokens_seen) - (start.tokens if start is not None else 0)
     return {"steps": steps, "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds else 0.0,
             "seconds_per_step": seconds / steps if steps else 0.0,
