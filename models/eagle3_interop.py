@@ -306,6 +306,11 @@ def _architecture(config: dict[str, Any]) -> dict[str, Any]:
             "vocab_size": int(config["vocab_size"]), "rope_parameters": rope_parameters(config)}
 
 
+def _layer_shape(config: dict[str, Any]) -> dict[str, Any]:
+    """`_architecture` without the MLP width, which a draft layer may set apart from its target's."""
+    return {k: v for k, v in _architecture(config).items() if k != "intermediate_size"}
+
+
 def imported_target(raw: dict[str, Any], num_hidden_layers: int, saved: dict[str, Any] | None) -> dict[str, Any]:
     """Eagle3Config.target for the draft `raw`: the saved draftsmith target when it describes the same layer for a
     target of the same depth (a lossless round trip; the MLP width may differ: a wider draft keeps it in
@@ -313,7 +318,7 @@ def imported_target(raw: dict[str, Any], num_hidden_layers: int, saved: dict[str
     if (isinstance(saved, dict) and saved.get("num_hidden_layers") == num_hidden_layers
             and all(k in saved for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
                                          "rms_norm_eps"))
-            and {**_architecture(saved), "intermediate_size": None} == {**_architecture(raw), "intermediate_size": None}):
+            and _layer_shape(saved) == _layer_shape(raw)):
         return saved
     arch = _architecture(raw)
     return {"model_type": "llama", **arch, "num_hidden_layers": num_hidden_layers,

@@ -1,4 +1,4 @@
-"""ChatCollator: right padding, attention mask, IGNORE_INDEX on pads, pad_to_multiple_of; length_batches for generation."""
+"""ChatCollator: right padding, attention mask, IGNORE_INDEX on pads, pad_to_multiple_of; length_batches."""
 
 import pytest
 import torch

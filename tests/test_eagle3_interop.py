@@ -170,12 +170,12 @@ def test_export_then_import_is_lossless(tmp_path, arch, dtype):
 def test_vllm_reader_computes_the_same_logits(tmp_path, width):
     draft = random_draft(intermediate_size=width)
     exported = export(tmp_path, draft)
-    assert json.loads((exported / "config.json").read_text())["intermediate_size"] == (width or
-                                                                                         target_dict()["intermediate_size"])
+    stated = json.loads((exported / "config.json").read_text())["intermediate_size"]
+    assert stated == (width or target_dict()["intermediate_size"])
     torch.testing.assert_close(vllm_reference_logits(exported), target_logits(draft), rtol=1e-5, atol=1e-5)
 
 
-def test_a_wider_draft_layer_round_trips_and_imports_from_specforge(tmp_path, capsys):
+def test_a_wider_draft_layer_round_trips_and_imports_from_specforge(tmp_path):
     """method.intermediate_size: the draft layer's MLP wider than the target's. Export writes it as the layout's
     intermediate_size (what vLLM / SGLang build the layer from); import gives it back as Eagle3Config.intermediate_size
     with the target's own config kept, and a SpecForge folder of that width imports against --base."""

@@ -74,7 +74,7 @@ class TimeBudget(TrainerCallback):
 
 class RunStart(TrainerCallback):
     """Where this process's training began: the optimizer step and input tokens a resumed checkpoint had already
-    counted (read when training begins, after the Trainer restored its state), so `throughput` counts only this run's."""
+    counted (read when training begins, after the Trainer restored its state), so `throughput` counts this run's."""
 
     def __init__(self) -> None:
         self.step = 0
