@@ -238,15 +238,15 @@ def training_arguments(cfg: DictConfig, report_to: list[str], deepspeed: dict[st
     return args
 
 
-def throughput(train_metrics: dict[str, float], state: Any, start: RunStart | None = None) -> dict[str, float]:
+def throughput(train_metrics: dict[str, float], state: Any, start: RunStart) -> dict[str, float]:
     """This process's training figures: optimizer steps, non-padding input tokens, seconds, tokens/s, seconds a step
     and the peak resident memory so far (GB; ru_maxrss is in KiB on Linux). A resumed run counts its own steps and
     tokens: those after `start`."""
     import resource
 
     seconds = float(train_metrics.get("train_runtime", 0.0))
-    steps = int(state.global_step) - (start.step if start is not None else 0)
-    tokens = int(state.num_input_tokens_seen) - (start.tokens if start is not None else 0)
+    steps = int(state.global_step) - start.step
+    tokens = int(state.num_input_tokens_seen) - start.tokens
     return {"steps": steps, "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds else 0.0,
             "seconds_per_step": seconds / steps if steps else 0.0,
