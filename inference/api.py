@@ -266,6 +266,7 @@ def load(
     head_vocab: int | None = None,
     tokenizer: str | Path | None = None,
     chat_template: str | None = None,
+    lookup: int | None = None,
 ) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
@@ -288,10 +289,11 @@ def load(
     (draft models only: "fixed", "confidence:<t>", "learned[:<t>]", see inference.drafters.draft_stop) sets when
     drafting stops; by default a checkpoint's learned stopper is used when it has one. `head_vocab=S` (Medusa heads
     only) lets the heads draft only the S tokens most frequent in their training data (the checkpoint's
-    token_counts.safetensors): a cheaper projection, the same lossless verification. Every argument is checked, and
-    the tokenizer loaded, before the model loads."""
+    token_counts.safetensors): a cheaper projection, the same lossless verification. `lookup=N` (EAGLE-3 and Medusa)
+    grafts a prompt-lookup chain of up to N tokens onto every tree the drafter proposes, verified in the same forward
+    (inference.drafters.with_lookup). Every argument is checked, and the tokenizer loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
-    options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab)
+    options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup)
     request.check(options, API)
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")

@@ -66,12 +66,16 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                                   "(default: the checkpoint's base_model_name_or_path)")
     p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's, else the base model's)")
     p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree); EAGLE-3 also "
-                   "dynamic[:<nodes>[:<depth>[:<topk>]]] (EAGLE-2's tree, grown each step from the draft's confidence)")
+                   "default:<nodes> (its acceptance's tree of that size) and dynamic[:<nodes>[:<depth>[:<topk>]]] "
+                   "(EAGLE-2's tree, grown each step from the draft's confidence)")
     p.add_argument("--draft-stop", help="draft models: when drafting stops each step: fixed | confidence:<t> | "
                                         "learned[:<t>] (default: the checkpoint's stopper if it has one, else fixed)")
     p.add_argument("--head-vocab", type=int, metavar="S",
                    help="Medusa heads: draft only from the S tokens most frequent in their training data (the "
                         "checkpoint's token_counts.safetensors); cheaper heads, same lossless verification")
+    p.add_argument("--lookup", type=int, metavar="N",
+                   help="EAGLE-3 and Medusa: also verify a prompt-lookup chain of up to N tokens each step (what "
+                        "followed the latest earlier occurrence of the context's last tokens), grafted onto the tree")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
                    help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
                         "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
@@ -131,7 +135,8 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
-    options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab)
+    options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab,
+                          lookup=args.lookup)
     request.check(options, CLI)
     base = model_settings(request.base).ref if request.base else None
     if isinstance(base, LocalRef):  # a base directory that is not there: its one line now, not after other models load
@@ -184,6 +189,7 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
             quantization=None if args.quantization == "none" else args.quantization,
             device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
             head_vocab=args.head_vocab, tokenizer=args.tokenizer, chat_template=args.chat_template,
+            lookup=args.lookup,
         )
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)
     return Session(engine, engine.tokenizer, engine.chat_template, request.base, name, config, target)

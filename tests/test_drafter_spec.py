@@ -112,6 +112,8 @@ def test_a_checkpoint_of_an_unserved_type_names_its_config(tmp_path):
     ("builtin:tiny-draft", LoadOptions(head_vocab=64), "--head-vocab does not apply to a plain causal LM (a draft "
                                                        "model); it applies to medusa"),
     ("jacobi:n=4", LoadOptions(tree="chain:3"), "--tree does not apply to drafter 'jacobi'"),
+    ("builtin:tiny-draft", LoadOptions(lookup=4), "--lookup does not apply to a plain causal LM (a draft model); it "
+                                                  "applies to eagle3, medusa"),
 ])
 def test_each_type_refuses_the_options_it_does_not_take(drafter, options, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):

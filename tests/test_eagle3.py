@@ -232,6 +232,12 @@ def test_dynamic_tree_specs_are_checked():
             eagle3_tree(spec, [], "cpu", 64)
     with pytest.raises(TreeError, match=r"topk must lie in \[1, 4\]"):
         eagle3_tree("dynamic:16:4:5", [], "cpu", draft_vocab=4)
+    table = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4]]
+    assert eagle3_tree("default:6", table, "cpu").choices == tuple(default_tree(table, 5))
+    assert eagle3_tree("default:6", table, "cpu").num_nodes == 6
+    for spec in ("default:1", "default:x", "default:"):
+        with pytest.raises(TreeError, match="expected default:<nodes>"):
+            eagle3_tree(spec, table, "cpu")
 
 
 def test_sampled_decoding_runs_batched():

@@ -185,12 +185,14 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
     assert written["expected_tokens_per_step"] == pytest.approx(
         expected_accept_length(tree.choices, written["accuracy"]), rel=1e-4)
     args = ("--prompt", "hello", "--max-new-tokens", "12")
-    assert generate_json(capsys, "--drafter", assets["ckpt"], "--tree", tree_file, *args)["token_ids"] == \
-        generate_json(capsys, "--base", assets["model"], *args)["token_ids"]
+    plain = generate_json(capsys, "--base", assets["model"], *args)["token_ids"]
+    assert generate_json(capsys, "--drafter", assets["ckpt"], "--tree", tree_file, *args)["token_ids"] == plain
+    assert generate_json(capsys, "--drafter", assets["ckpt"], "--tree", tree_file, "--lookup", "5", *args)[
+        "token_ids"] == plain  # the fitted tree with a prompt-lookup chain grafted on
 
 
 @pytest.mark.parametrize("case", ["temperature", "tree", "drafter", "chat", "questions", "question_line", "source",
-                                  "head_vocab", "head_vocab_type"])
+                                  "head_vocab", "head_vocab_type", "lookup", "lookup_type", "lookup_build_tree"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -208,6 +210,12 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "head_vocab": ((*gen, "--prompt", "x", "--head-vocab", "8"), "token_counts.safetensors: missing"),
         "head_vocab_type": (("generate", "--drafter", "jacobi", "--base", assets["model"], "--prompt", "x",
                              "--head-vocab", "8"), "--head-vocab does not apply to drafter 'jacobi'; it applies to medusa"),
+        "lookup": ((*gen, "--prompt", "x", "--lookup", "0"), "--lookup must be a whole number of tokens in [1, 64], got 0"),
+        "lookup_type": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt", "x",
+                         "--lookup", "4"), "--lookup does not apply to drafter 'prompt_lookup'; it applies to eagle3, "
+                                           "medusa"),
+        "lookup_build_tree": (("build-tree", "--drafter", assets["ckpt"], "--lookup", "4"),
+                              "--lookup does not apply to build-tree"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

@@ -18,6 +18,7 @@ from inference.drafters.jacobi import JacobiDrafter, JacobiOptions
 from inference.drafters.lookahead import LookaheadDrafter
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.drafters.with_lookup import WithLookup
 from inference.engine.drafter import DecodeState, Draft, Drafter
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import build_tree
@@ -76,11 +77,14 @@ def drafter_kinds(model: torch.nn.Module) -> dict[str, Drafter]:
         "eagle3": Eagle3Drafter(lm_head_eagle3(model), tree, model.get_input_embeddings()),
         "eagle3-dynamic": Eagle3Drafter(lm_head_eagle3(model), DynamicTree(num_nodes=10, depth=4, topk=3),
                                         model.get_input_embeddings()),
+        "eagle3+lookup": WithLookup(Eagle3Drafter(lm_head_eagle3(model), tree, model.get_input_embeddings()),
+                                    num_draft=4),
+        "medusa+lookup": WithLookup(MedusaDrafter(random_heads(2, model, seed=6), tree), num_draft=4),
     }
 
 
 KINDS = ["medusa", "draft-model-chain", "draft-model-branches", "prompt-lookup", "lookahead", "jacobi", "eagle3",
-         "eagle3-dynamic"]
+         "eagle3-dynamic", "eagle3+lookup", "medusa+lookup"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

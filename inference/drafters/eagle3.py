@@ -175,10 +175,17 @@ def default_tree(acceptance: list[list[float]], num_nodes: int = DEFAULT_NODES) 
 
 def eagle3_tree(spec: object, acceptance: list[list[float]], device: torch.device | str,
                 draft_vocab: int = MAX_RANK) -> TreeBuffers | DynamicTree:
-    """None / "default": `default_tree`; "dynamic[:...]": a `DynamicTree`; otherwise any `load_tree` spec (a JSON
-    file, "chain:<n>", a choice list), ranks < MAX_RANK and depth <= MAX_DEPTH."""
+    """None / "default": `default_tree`; "default:<nodes>": the same for <nodes> verified tokens (root included);
+    "dynamic[:...]": a `DynamicTree`; otherwise any `load_tree` spec (a JSON file, "chain:<n>", a choice list), ranks
+    < MAX_RANK and depth <= MAX_DEPTH."""
     if spec is None or spec == "default":
         return build_tree(default_tree(acceptance), MAX_DEPTH, MAX_RANK, device, source="eagle3 default tree")
+    if isinstance(spec, str) and spec.startswith("default:"):
+        nodes = spec.partition(":")[2]
+        if not nodes.isdigit() or not 2 <= int(nodes) <= 256:
+            raise TreeError(f"tree {spec!r}: expected default:<nodes> with 2 <= nodes <= 256 (the root included)")
+        return build_tree(default_tree(acceptance, int(nodes) - 1), MAX_DEPTH, MAX_RANK, device,
+                          source=f"eagle3 default tree of {nodes} nodes")
     if isinstance(spec, str) and (spec == "dynamic" or spec.startswith("dynamic:")):
         return DynamicTree.parse(spec, draft_vocab)
     if spec == "chain":

@@ -86,7 +86,14 @@ def paths_draft(
     """root [B] and each row's continuation paths (priority order; a row may have none) -> one Draft whose tree is
     the capped union of the rows' merged trees (tokens [B, K], fillers where a row lacks a node)."""
     ranked = [rank_tree(paths) for paths in rows]
-    tree = trees.get(merge_rows(ranked, max_nodes), root.device)
+    return tree_draft(root, ranked, merge_rows(ranked, max_nodes), trees)
+
+
+def tree_draft(root: torch.Tensor, ranked: Sequence[Sequence[tuple[Path_, int]]], choices: Sequence[Path_],
+               trees: TreeCache) -> Draft:
+    """root [B], each row's merged tree (`rank_tree`) and the shared shape `choices` (prefix-closed, e.g.
+    `merge_rows`) -> the Draft: tokens [B, K] in the tree's node order, fillers where a row lacks a node."""
+    tree = trees.get(choices, root.device)
     table = []
     for row_root, nodes in zip(root.tolist(), ranked):
         token_of = dict(nodes)

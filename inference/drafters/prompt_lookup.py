@@ -78,14 +78,18 @@ class PromptLookupDrafter:
         self.max_ngram, self.min_ngram, self.num_draft = max_ngram, min_ngram, num_draft
         self._trees = TreeCache()
 
-    def propose(self, state: DecodeState) -> Draft:
+    def chains(self, state: DecodeState) -> list[list[int]]:
+        """Each row's draft chain, [] for a row without a match (starts the run's state on the first step)."""
         if state.drafter_state is None:  # first step of a generation
             prompts = row_prompts(state)
             state.drafter_state = LookupRun([NgramIndex(self.max_ngram, self.min_ngram) for _ in prompts],
                                             [len(p) for p in prompts])
             for index, prompt, tokens in zip(state.drafter_state.rows, prompts, state.generated):
                 index.extend(prompt + tokens)
-        chains = [index.lookup(self.num_draft) for index in state.drafter_state.rows]
+        return [index.lookup(self.num_draft) for index in state.drafter_state.rows]
+
+    def propose(self, state: DecodeState) -> Draft:
+        chains = self.chains(state)
         return paths_draft(state.root, [[c] if c else [] for c in chains], self.num_draft, self._trees)
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:

@@ -43,6 +43,7 @@ from inference.drafters.lookahead import LookaheadDrafter
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.drafters.spec import DrafterSpec, parse_value
+from inference.drafters.with_lookup import WithLookup
 from inference.engine.devices import output_device
 from inference.engine.drafter import Drafter, NoDrafter
 from inference.engine.tree import load_tree
@@ -55,7 +56,8 @@ from models.eagle3 import load_eagle3
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
-OPTIONAL = ("tree", "draft_stop", "head_vocab")  # the load options a drafter type may not take
+OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup")  # the load options a drafter type may not take
+MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class LoadOptions:
     topk: int = MEDUSA_TOPK
     draft_stop: str | None = None  # draft models only (inference.drafters.draft_stop)
     head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
+    lookup: int | None = None  # tree drafters: graft a prompt-lookup chain of up to N tokens onto each tree
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,13 @@ class Naming:
     tree: str
     draft_stop: str
     head_vocab: str
+    lookup: str
 
 
-API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=")
-CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab")
+API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=",
+             lookup="lookup=")
+CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab",
+             lookup="--lookup")
 
 
 @dataclass(frozen=True)
@@ -118,14 +124,20 @@ class DrafterRequest:
         if options.draft_stop is not None:
             has_stopper = self.path is not None and checkpoint_stopper(self.path)[0] is not None
             check_stop_spec(options.draft_stop, has_stopper)
+        if options.lookup is not None and (isinstance(options.lookup, bool) or not isinstance(options.lookup, int)
+                                           or not 1 <= options.lookup <= MAX_LOOKUP):
+            raise UsageError(f"{naming.lookup} must be a whole number of tokens in [1, {MAX_LOOKUP}], got "
+                             f"{options.lookup!r}")
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
         if self.spec is not None:  # its options and their values, as its builder takes them: no target needed
             kind.build(self, None, options, None)
 
     def build(self, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
-        """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings')."""
-        return DRAFTERS[self.type].build(self, model, options, device)
+        """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings'); with
+        `options.lookup`, its trees carry a prompt-lookup chain too (inference.drafters.with_lookup)."""
+        drafter = DRAFTERS[self.type].build(self, model, options, device)
+        return drafter if options.lookup is None else WithLookup(drafter, num_draft=options.lookup)
 
 
 @dataclass(frozen=True)
@@ -217,9 +229,9 @@ def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: Lo
 
 DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
-    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab"}), checkpoint=True),
+    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup"}), checkpoint=True),
     "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
-    "eagle3": DrafterType(_eagle3, frozenset({"tree"}), checkpoint=True),
+    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup"}), checkpoint=True),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
     **{name: DrafterType(_keyword) for name in KEYWORD_DRAFTERS},

@@ -1,0 +1,91 @@
+"""A tree drafter's tree with prompt lookup's chain grafted on: both verified in the same target forward.
+
+Dimension letters: B batch, K tree nodes (root included).
+
+A trained drafter (EAGLE-3, Medusa) guesses the next few tokens from the target's state; prompt lookup
+(inference.drafters.prompt_lookup) copies what followed the latest earlier occurrence of the current suffix of the
+prompt and output. They fail in different places: a trained drafter rarely guesses five tokens in a row, and a copy
+(a variable name, a quoted sentence, a repeated line of code) is either right for many tokens or absent. `WithLookup`
+verifies both each step: per row, the inner tree's token paths first, then the lookup chain, merged into one token tree
+(`path_trees.rank_tree`: a chain that starts with tokens the inner tree already drafted continues below its nodes
+instead of repeating them). A step without a match verifies the inner tree alone; a matched chain adds at most
+`num_draft` nodes. Rows of a batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
+
+Drafts of both are deterministic, so greedy verification still returns plain greedy decoding and rejection sampling
+with the one-hot rule stays exact (inference.engine.verify: exact for any deterministic tree). The inner drafter
+advances from the merged tree's accepted path (EAGLE-3 reads the target's features at its nodes, Medusa the final
+hidden state): both work for any tree the target verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from inference.drafters.path_trees import TreeCache, merge_rows, rank_tree, tree_draft
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.engine.drafter import DecodeState, Draft, Drafter
+from inference.engine.verify import VerifyResult
+
+
+@dataclass(eq=False)
+class WithLookupRun:
+    """Each part's own per-run state (DecodeState.drafter_state holds this between steps)."""
+
+    inner: Any = None
+    lookup: Any = None
+
+
+def node_paths(draft: Draft) -> list[list[list[int]]]:
+    """Each row's token path from the root (root excluded) to every non-root node of `draft`, in node order."""
+    parent = draft.tree.parent.tolist()
+    rows = []
+    for tokens in draft.tokens.tolist():
+        paths: list[list[int]] = [[]]
+        for k in range(1, len(parent)):
+            paths.append(paths[parent[k]] + [tokens[k]])
+        rows.append(paths[1:])
+    return rows
+
+
+class WithLookup:
+    """`inner`'s tree plus a prompt-lookup chain of up to `num_draft` tokens per row (n-grams of `min_ngram` to
+    `max_ngram` tokens, as `PromptLookupDrafter`)."""
+
+    def __init__(self, inner: Drafter, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.inner = inner
+        self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, num_draft=num_draft)
+        self.needs_hidden = inner.needs_hidden
+        self.feature_layers: tuple[int, ...] = tuple(getattr(inner, "feature_layers", ()))
+        self._trees = TreeCache()
+
+    def propose(self, state: DecodeState) -> Draft:
+        run = state.drafter_state if isinstance(state.drafter_state, WithLookupRun) else WithLookupRun()
+        try:
+            state.drafter_state = run.inner
+            draft = self.inner.propose(state)
+            run.inner = state.drafter_state
+            state.drafter_state = run.lookup
+            chains = self.lookup.chains(state)  # [B] lists of up to num_draft tokens
+            run.lookup = state.drafter_state
+        finally:
+            state.drafter_state = run
+        if draft.probs is not None:
+            raise ValueError("WithLookup: the inner drafter sampled its draft; only deterministic drafts merge")
+        if not any(chains):
+            return draft
+        rows = [rank_tree(paths + ([chain] if chain else [])) for paths, chain in zip(node_paths(draft), chains)]
+        choices = merge_rows(rows, draft.tree.num_nodes - 1 + self.lookup.num_draft)
+        return tree_draft(draft.tokens[:, 0], rows, choices, self._trees)
+
+    def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
+        run: WithLookupRun = state.drafter_state
+        try:
+            state.drafter_state = run.inner
+            self.inner.update(state, draft, result)
+            run.inner = state.drafter_state
+            state.drafter_state = run.lookup
+            self.lookup.update(state, draft, result)
+            run.lookup = state.drafter_state
+        finally:
+            state.drafter_state = run
