@@ -65,8 +65,8 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--base", help="base model: hub id, local dir, builtin:tiny, or a conf/model name "
                                   "(default: the checkpoint's base_model_name_or_path)")
     p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's, else the base model's)")
-    p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree); EAGLE-3 also "
-                   "default:<nodes> (its acceptance's tree of that size) and dynamic[:<nodes>[:<depth>[:<topk>]]] "
+    p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree); EAGLE-3 "
+                   "also default:<nodes> (its acceptance's tree of that size) and dynamic[:<nodes>[:<depth>[:<topk>]]] "
                    "(EAGLE-2's tree, grown each step from the draft's confidence)")
     p.add_argument("--draft-stop", help="draft models: when drafting stops each step: fixed | confidence:<t> | "
                                         "learned[:<t>] (default: the checkpoint's stopper if it has one, else fixed)")

@@ -71,6 +71,25 @@ def test_prompt_sets_take_the_first_n_of_each(data_dir):
     assert none is None and file_questions == questions[:3]
 
 
+def test_self_instruct_turns_join_the_instruction_and_its_input(data_dir):
+    (data_dir / "self_instruct_seed").mkdir()
+    records = [{"id": "user_oriented_task_0", "instruction": "Fix the grammar.", "instances": [{"input": "me go",
+                                                                                               "output": "I go"}]},
+               {"id": "user_oriented_task_1", "instruction": "Name a colour.",
+                "instances": [{"input": " ", "output": "red"}]},
+               {"id": "user_oriented_task_2", "instruction": "", "instances": []}]
+    path = data_dir / "self_instruct_seed" / "user_oriented_instructions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    questions, taken = load_questions("self_instruct")
+    assert taken == {"self_instruct": 2}
+    assert [q.turns for q in questions] == [("Fix the grammar.\n\nme go",), ("Name a colour.",)]
+    assert [q.question_id for q in questions] == ["user_oriented_task_0", "user_oriented_task_1"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(UsageError, match=r"user_oriented_instructions\.jsonl:3: expected an object with a non-empty "
+                                         r"string 'instruction'"):
+        load_questions("self_instruct")
+
+
 def test_spread_takes_evenly_spaced_questions(data_dir):
     questions, taken = load_questions("mt_bench:2:spread,gsm8k:3:spread,humaneval:1")
     assert [q.question_id for q in questions] == [81, 82, "gsm8k/0", "gsm8k/1", "gsm8k/2", "HumanEval/0"]

@@ -123,6 +123,7 @@ def test_load_grafts_the_chain_and_checks_the_option(tmp_path):
     engine = load(path, dtype="fp32", lookup=5)
     assert isinstance(engine.drafter, WithLookup) and engine.drafter.lookup.num_draft == 5
     assert engine.drafter.feature_layers == engine.drafter.inner.feature_layers
+    assert engine.tree is engine.drafter.inner.tree  # the drafter's own tree, as without the chain
     prompt = repetitive_prompts(5, 1)[0]
     plain = load(None, base=str(target), dtype="fp32").generate(prompt, max_new_tokens=16).sequences
     assert engine.generate(prompt, max_new_tokens=16).sequences == plain

@@ -102,10 +102,27 @@ def _humaneval(path: Path) -> list[Question]:
     return questions
 
 
+def _self_instruct(path: Path) -> list[Question]:
+    """Self-Instruct's user-oriented instructions: the instruction, then the first instance's input (if any) after a
+    blank line, as the one turn; the app it was written for (`motivation_app`) as the category."""
+    lines = path.read_text(encoding="utf-8-sig").split("\n")
+    questions = []
+    for i, (lineno, record) in enumerate(_records(path, lines)):
+        instruction = _string_field(path, lineno, record, "instruction")
+        instances = record.get("instances") or [{}]
+        given = instances[0].get("input", "") if isinstance(instances[0], dict) else ""
+        if not isinstance(given, str):
+            raise UsageError(f"{path}:{lineno}: instances[0].input must be a string")
+        turn = f"{instruction}\n\n{given}" if given.strip() else instruction
+        questions.append(Question(record.get("id", f"self_instruct/{i}"), "self_instruct", (turn,)))
+    return questions
+
+
 PROMPT_SETS: dict[str, tuple[str, Callable[[Path], list[Question]]]] = {
     "mt_bench": ("mt_bench/question.jsonl", read_questions),
     "gsm8k": ("gsm8k/test.jsonl", _gsm8k),
     "humaneval": ("humaneval/HumanEval.jsonl.gz", _humaneval),
+    "self_instruct": ("self_instruct_seed/user_oriented_instructions.jsonl", _self_instruct),
 }
 
 

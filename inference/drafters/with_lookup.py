@@ -57,6 +57,7 @@ class WithLookup:
         self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, num_draft=num_draft)
         self.needs_hidden = inner.needs_hidden
         self.feature_layers: tuple[int, ...] = tuple(getattr(inner, "feature_layers", ()))
+        self.tree = getattr(inner, "tree", None)  # the inner drafter's own tree, before any chain (Engine.tree)
         self._trees = TreeCache()
 
     def propose(self, state: DecodeState) -> Draft:
