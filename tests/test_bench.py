@@ -77,16 +77,20 @@ def test_self_instruct_turns_join_the_instruction_and_its_input(data_dir):
                                                                                                "output": "I go"}]},
                {"id": "user_oriented_task_1", "instruction": "Name a colour.",
                 "instances": [{"input": " ", "output": "red"}]},
-               {"id": "user_oriented_task_2", "instruction": "", "instances": []}]
+               {"id": "user_oriented_task_2", "instruction": "", "instances": []},
+               {"id": "user_oriented_task_3", "instruction": "Go.", "instances": {"input": "x"}}]
     path = data_dir / "self_instruct_seed" / "user_oriented_instructions.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
     questions, taken = load_questions("self_instruct")
     assert taken == {"self_instruct": 2}
     assert [q.turns for q in questions] == [("Fix the grammar.\n\nme go",), ("Name a colour.",)]
     assert [q.question_id for q in questions] == ["user_oriented_task_0", "user_oriented_task_1"]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     with pytest.raises(UsageError, match=r"user_oriented_instructions\.jsonl:3: expected an object with a non-empty "
                                          r"string 'instruction'"):
+        load_questions("self_instruct")
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:2] + records[3:]))
+    with pytest.raises(UsageError, match=r"jsonl:3: 'instances' must be a list of objects whose 'input' is a string"):
         load_questions("self_instruct")
 
 

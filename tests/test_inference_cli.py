@@ -210,7 +210,8 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "head_vocab": ((*gen, "--prompt", "x", "--head-vocab", "8"), "token_counts.safetensors: missing"),
         "head_vocab_type": (("generate", "--drafter", "jacobi", "--base", assets["model"], "--prompt", "x",
                              "--head-vocab", "8"), "--head-vocab does not apply to drafter 'jacobi'; it applies to medusa"),
-        "lookup": ((*gen, "--prompt", "x", "--lookup", "0"), "--lookup must be a whole number of tokens in [1, 64], got 0"),
+        "lookup": ((*gen, "--prompt", "x", "--lookup", "0"),
+                   "--lookup must be a whole number of tokens in [1, 64], got 0"),
         "lookup_type": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt", "x",
                          "--lookup", "4"), "--lookup does not apply to drafter 'prompt_lookup'; it applies to eagle3, "
                                            "medusa"),

@@ -71,7 +71,6 @@ def test_a_chain_continues_below_the_inner_nodes_it_repeats_and_rows_share_one_s
         [2, 5, 6, 2, 7, 2, 8],  # row 0: (2,) and (2, 0) are fillers (their parent's token)
         [4, 20, 21, 11, 22, 12, 22],  # row 1: (0, 0, 0) is a filler
     ]
-    state.logits = None
     drafter.update(state, draft, result=None)  # the inner drafter sees its own state again
     assert inner.updates == 1
 

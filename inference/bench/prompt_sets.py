@@ -104,15 +104,16 @@ def _humaneval(path: Path) -> list[Question]:
 
 def _self_instruct(path: Path) -> list[Question]:
     """Self-Instruct's user-oriented instructions: the instruction, then the first instance's input (if any) after a
-    blank line, as the one turn; the app it was written for (`motivation_app`) as the category."""
+    blank line, as the one turn; category "self_instruct"."""
     lines = path.read_text(encoding="utf-8-sig").split("\n")
     questions = []
     for i, (lineno, record) in enumerate(_records(path, lines)):
         instruction = _string_field(path, lineno, record, "instruction")
         instances = record.get("instances") or [{}]
-        given = instances[0].get("input", "") if isinstance(instances[0], dict) else ""
+        first = instances[0] if isinstance(instances, list) else None
+        given = first.get("input", "") if isinstance(first, dict) else None
         if not isinstance(given, str):
-            raise UsageError(f"{path}:{lineno}: instances[0].input must be a string")
+            raise UsageError(f"{path}:{lineno}: 'instances' must be a list of objects whose 'input' is a string")
         turn = f"{instruction}\n\n{given}" if given.strip() else instruction
         questions.append(Question(record.get("id", f"self_instruct/{i}"), "self_instruct", (turn,)))
     return questions
