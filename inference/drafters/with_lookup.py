@@ -19,8 +19,9 @@ hidden state): both work for any tree the target verified.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from inference.drafters.path_trees import TreeCache, merge_rows, rank_tree, tree_draft
 from inference.drafters.prompt_lookup import PromptLookupDrafter
@@ -34,6 +35,18 @@ class WithLookupRun:
 
     inner: Any = None
     lookup: Any = None
+
+
+@contextmanager
+def part_state(state: DecodeState, run: WithLookupRun, part: str) -> Iterator[None]:
+    """Within the block `state.drafter_state` is `run.<part>`, the state that part (`inner` or `lookup`) keeps; on
+    exit, also on error, what the part left there is stored back and `run` is the drafter state again."""
+    state.drafter_state = getattr(run, part)
+    try:
+        yield
+    finally:
+        setattr(run, part, state.drafter_state)
+        state.drafter_state = run
 
 
 def node_paths(draft: Draft) -> list[list[list[int]]]:
@@ -62,15 +75,10 @@ class WithLookup:
 
     def propose(self, state: DecodeState) -> Draft:
         run = state.drafter_state if isinstance(state.drafter_state, WithLookupRun) else WithLookupRun()
-        try:
-            state.drafter_state = run.inner
+        with part_state(state, run, "inner"):
             draft = self.inner.propose(state)
-            run.inner = state.drafter_state
-            state.drafter_state = run.lookup
+        with part_state(state, run, "lookup"):
             chains = self.lookup.chains(state)  # [B] lists of up to num_draft tokens
-            run.lookup = state.drafter_state
-        finally:
-            state.drafter_state = run
         if draft.probs is not None:
             raise ValueError("WithLookup: the inner drafter sampled its draft; only deterministic drafts merge")
         if not any(chains):
@@ -81,12 +89,7 @@ class WithLookup:
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         run: WithLookupRun = state.drafter_state
-        try:
-            state.drafter_state = run.inner
+        with part_state(state, run, "inner"):
             self.inner.update(state, draft, result)
-            run.inner = state.drafter_state
-            state.drafter_state = run.lookup
+        with part_state(state, run, "lookup"):
             self.lookup.update(state, draft, result)
-            run.lookup = state.drafter_state
-        finally:
-            state.drafter_state = run
