@@ -136,24 +136,26 @@ def same_target(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def check_cache(folder: str | os.PathLike, target: dict[str, Any] | None = None, tokenizer: str | None = None,
-                need_layers: Sequence[int] = (), need_topk: bool = False) -> Manifest:
-    """The manifest of a complete cache that serves this run; FeatureCacheError (one line) otherwise. `target` /
-    `tokenizer`: the run's own fingerprints (models.fingerprint), when it has them."""
+                need_layers: Sequence[int] = (), need_topk: bool = False, key: str = "data.features") -> Manifest:
+    """The manifest of a complete cache that serves this run; FeatureCacheError (one line, naming `key`=folder, or
+    the folder alone when `key` is empty) otherwise. `target` / `tokenizer`: the run's own fingerprints
+    (models.fingerprint), when it has them."""
+    where = f"{key}={folder}" if key else str(folder)
     manifest = Manifest.read(folder)
     if not manifest.complete:
-        raise FeatureCacheError(f"data.features={folder}: the feature cache is incomplete (extraction was stopped); "
+        raise FeatureCacheError(f"{where}: the feature cache is incomplete (extraction was stopped); "
                                 f"rerun the same `python -m train features ...` command to finish it")
     if target is not None and not same_target(manifest.target, target):
-        raise FeatureCacheError(f"data.features={folder}: made for another target ({_describe(manifest.target)}; "
+        raise FeatureCacheError(f"{where}: made for another target ({_describe(manifest.target)}; "
                                 f"this run: {_describe(target)})")
     if tokenizer is not None and manifest.tokenizer != tokenizer:
-        raise FeatureCacheError(f"data.features={folder}: made with another tokenizer or chat template")
+        raise FeatureCacheError(f"{where}: made with another tokenizer or chat template")
     missing = sorted(set(need_layers) - set(manifest.layers))
     if missing:
-        raise FeatureCacheError(f"data.features={folder}: holds layers {manifest.layers}, this run needs {missing} "
+        raise FeatureCacheError(f"{where}: holds layers {manifest.layers}, this run needs {missing} "
                                 f"(extract with features.layers={sorted(set(manifest.layers) | set(need_layers))})")
     if need_topk and not manifest.topk:
-        raise FeatureCacheError(f"data.features={folder}: holds no soft labels (features.topk=0); this run needs them")
+        raise FeatureCacheError(f"{where}: holds no soft labels (features.topk=0); this run needs them")
     return manifest
 
 

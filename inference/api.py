@@ -267,6 +267,7 @@ def load(
     tokenizer: str | Path | None = None,
     chat_template: str | None = None,
     lookup: int | None = None,
+    datastore: str | Path | None = None,
 ) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
@@ -291,15 +292,20 @@ def load(
     only) lets the heads draft only the S tokens most frequent in their training data (the checkpoint's
     token_counts.safetensors): a cheaper projection, the same lossless verification. `lookup=N` (EAGLE-3 and Medusa)
     grafts a prompt-lookup chain of up to N tokens onto every tree the drafter proposes, verified in the same forward
-    (inference.drafters.with_lookup). Every argument is checked, and the tokenizer loaded, before the model loads."""
+    (inference.drafters.with_lookup). `datastore` (prompt_lookup, and EAGLE-3 and Medusa with `lookup`) also drafts
+    the most frequent continuation from a corpus of the target's own text: a feature cache folder or a ShareGPT file
+    or folder of its answers (inference.drafters.datastore). Every argument is checked, and the tokenizer and the
+    datastore loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
-    options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup)
+    options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
+                          datastore=datastore)
     request.check(options, API)
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
     settings = model_settings(base or request.base)  # a model name ("tiny", "smollm2") as the command line takes it
     text = load_text_side(request, settings, base_overridden=base is not None, tokenizer=tokenizer,
                           chat_template=chat_template, trust_remote_code=trust_remote_code)
+    options = options.with_datastore(text[0], API)
     dtype = dtype or trained_setting(request.config, "dtype", ("model",)) or settings.dtype or "bf16"
     target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
                          trust_remote_code=trust_remote_code, tp_plan=tp_plan, device_map=device_map,
@@ -320,7 +326,7 @@ def attach(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions
     Without a `tokenizer` the engine takes token ids only."""
     options = options or LoadOptions()
     request.check(options, API)
-    drafter = request.build(model, options, input_device(model))
+    drafter = request.build(model, options.with_datastore(tokenizer, API), input_device(model))
     config = request.config if request.config is not None or request.type == "none" else {"drafter_type": request.label}
     return Engine(model, drafter, config, tokenizer=tokenizer, chat_template=chat_template)
 

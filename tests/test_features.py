@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from data.errors import UsageError
 from data.features import FeatureCacheError, FeatureCollator, FeatureDataset, Manifest, check_cache
 from models.backbone import final_hidden
 from models.loading import load_target
@@ -181,6 +182,34 @@ def test_a_cache_for_another_layer_set_or_target_is_refused(model_dir, other_mod
     assert "Loading weights" not in result.stderr  # refused from the files, before the target loads
     with pytest.raises(FeatureCacheError, match="layers"):
         check_cache(full_cache, need_layers=[0])
+
+
+def test_a_cache_is_a_datastore_of_its_trained_tokens(model_dir, self_distilled_cache):
+    """The datastore of a self-distilled cache holds the target's answers (each trained run of its train split), read
+    without a tokenizer; a tokenizer other than the cache's is refused in one line."""
+    from data.chat import IGNORE_INDEX
+    from data.datastore import cache_documents
+    from inference.drafters.datastore import load_datastore
+    from models.loading import load_tokenizer
+    from tests.data_support import tiny_tokenizer
+
+    runs = []
+    for sample in FeatureDataset(self_distilled_cache, "train"):
+        kept = (sample["labels"] != IGNORE_INDEX).tolist() + [False]
+        ids = sample["input_ids"].tolist()
+        start = None
+        for i, trained in enumerate(kept):
+            if trained and start is None:
+                start = i
+            elif not trained and start is not None:
+                runs.append(ids[start:i])
+                start = None
+    documents = cache_documents(self_distilled_cache)
+    assert documents == runs and len(documents) == Manifest.read(self_distilled_cache).samples["train"]
+    store = load_datastore(self_distilled_cache, load_tokenizer(str(model_dir)))
+    assert store.num_tokens == Manifest.read(self_distilled_cache).trained_tokens["train"]
+    with pytest.raises(UsageError, match=r"^--datastore=.*: made with another tokenizer or chat template$"):
+        load_datastore(self_distilled_cache, tiny_tokenizer(chat_template=None), label="--datastore")
 
 
 def test_medusa1_trains_from_the_cache(model_dir, data_file, full_cache, tmp_path):

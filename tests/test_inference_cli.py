@@ -192,12 +192,16 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["temperature", "tree", "drafter", "chat", "questions", "question_line", "source",
-                                  "head_vocab", "head_vocab_type", "lookup", "lookup_type", "lookup_build_tree"])
+                                  "head_vocab", "head_vocab_type", "lookup", "lookup_type", "lookup_build_tree",
+                                  "datastore", "datastore_line", "datastore_lookup"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
     bad_questions = tmp_path / "q.jsonl"
     bad_questions.write_text(json.dumps(QUESTIONS[0]) + "\n{\"question_id\": 2, \"turns\": []}\n")
+    bad_store = tmp_path / "answers.jsonl"
+    bad_store.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt",
+                                                                                         "value": "hello"}]}) + "\n[1,\n")
     gen = ("generate", "--drafter", assets["ckpt"], "--max-new-tokens", "2")
     argv, needle = {
         "temperature": ((*gen, "--prompt", "x", "--temperature", "-1"), "--temperature"),
@@ -217,6 +221,12 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
                                            "medusa"),
         "lookup_build_tree": (("build-tree", "--drafter", assets["ckpt"], "--lookup", "4"),
                               "--lookup does not apply to build-tree"),
+        "datastore": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt", "x",
+                       "--datastore", tmp_path / "none"), f"--datastore={tmp_path / 'none'}: no such file or folder"),
+        "datastore_line": (("bench", "--drafter", "prompt_lookup", "--base", assets["model"], "--datastore",
+                            bad_store), f"--datastore={bad_store}:2: "),
+        "datastore_lookup": ((*gen, "--prompt", "x", "--datastore", bad_store),
+                             "--datastore needs --lookup on drafter_type 'medusa'"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

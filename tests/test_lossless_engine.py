@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from inference.bench.engine_check import lm_head_eagle3
+from inference.drafters.datastore import Datastore
 from inference.drafters.draft_model import DraftModelDrafter
 from inference.drafters.eagle3 import DynamicTree, Eagle3Drafter
 from inference.drafters.jacobi import JacobiDrafter, JacobiOptions
@@ -80,11 +81,20 @@ def drafter_kinds(model: torch.nn.Module) -> dict[str, Drafter]:
         "eagle3+lookup": WithLookup(Eagle3Drafter(lm_head_eagle3(model), tree, model.get_input_embeddings()),
                                     num_draft=4),
         "medusa+lookup": WithLookup(MedusaDrafter(random_heads(2, model, seed=6), tree), num_draft=4),
+        # a datastore of the test's prompts: its chain drafts where the row's own text has no 2-token match
+        "prompt-lookup+datastore": PromptLookupDrafter(min_ngram=2, num_draft=4, datastore=prompt_datastore()),
+        "medusa+lookup+datastore": WithLookup(MedusaDrafter(random_heads(2, model, seed=7), tree), num_draft=4,
+                                              min_ngram=2, datastore=prompt_datastore()),
     }
 
 
+def prompt_datastore() -> Datastore:
+    """The prompts of test_every_step_logits_equal_a_fresh_forward, and other patterns of the same kind."""
+    return Datastore(repetitive_prompts(7, 3) + repetitive_prompts(8, 6))
+
+
 KINDS = ["medusa", "draft-model-chain", "draft-model-branches", "prompt-lookup", "lookahead", "jacobi", "eagle3",
-         "eagle3-dynamic", "eagle3+lookup", "medusa+lookup"]
+         "eagle3-dynamic", "eagle3+lookup", "medusa+lookup", "prompt-lookup+datastore", "medusa+lookup+datastore"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

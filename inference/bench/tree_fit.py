@@ -320,9 +320,10 @@ def run_build_tree(args: argparse.Namespace) -> int:
             raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.max_nodes < 2:
         raise UsageError("--max-nodes must be >= 2 (the root and at least one draft)")
-    if args.lookup is not None:
-        raise UsageError("--lookup does not apply to build-tree: it fits the drafter's own tree; pass --lookup to "
-                         "generate or bench with the fitted tree")
+    for flag in ("lookup", "datastore"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag} does not apply to build-tree: it fits the drafter's own tree; pass --{flag} "
+                             f"to generate or bench with the fitted tree")
     sizes = _sizes(args)
     out = Path(args.out)
     if not out.parent.is_dir():

@@ -8,6 +8,11 @@ max_ngram..min_ngram that occurred before gives the draft: the γ tokens that fo
 occurrence, as a chain. Each row keeps a hash index n-gram -> end of its latest occurrence that has a next token,
 updated with the committed tokens, so a lookup costs O(max_ngram) whatever the length of the context.
 
+With a datastore (inference.drafters.datastore) a row also drafts the datastore's continuation of its context (the
+target's own earlier answers, where a phrase it says often is found), after its own chain: the two merge into one
+token tree (a shared start drafted once) of at most `num_draft` nodes, so the datastore's chain fills what the row's
+own chain leaves: all of it in a step where the row's own text has no match.
+
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
 the one-hot rule (inference.engine.verify) keep the output exact.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from inference.drafters.datastore import Datastore
 from inference.drafters.path_trees import TreeCache, paths_draft, row_prompts
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.verify import VerifyResult
@@ -64,33 +70,42 @@ class LookupRun:
 
 
 class PromptLookupDrafter:
-    """A chain of up to `num_draft` tokens per row from an `NgramIndex` over that row's prompt and output. Rows
+    """A chain of up to `num_draft` tokens per row from an `NgramIndex` over that row's prompt and output; with a
+    `datastore`, also the datastore's continuation of the row, after it (at most `num_draft` nodes for both). Rows
     without a match contribute no nodes (fillers where other rows drafted; a root-only tree when none did)."""
 
     needs_hidden = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 8) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 8,
+                 datastore: Datastore | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt_lookup: need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
                              f"max_ngram={max_ngram}")
         if num_draft < 1:
             raise ValueError(f"prompt_lookup: num_draft must be >= 1, got {num_draft}")
         self.max_ngram, self.min_ngram, self.num_draft = max_ngram, min_ngram, num_draft
+        self.datastore = datastore
         self._trees = TreeCache()
 
-    def chains(self, state: DecodeState) -> list[list[int]]:
-        """Each row's draft chain, [] for a row without a match (starts the run's state on the first step)."""
+    def chains(self, state: DecodeState) -> list[list[list[int]]]:
+        """Each row's draft chains in priority order (the request's own, then the datastore's), none for a row
+        without a match; starts the run's state on the first step."""
         if state.drafter_state is None:  # first step of a generation
             prompts = row_prompts(state)
             state.drafter_state = LookupRun([NgramIndex(self.max_ngram, self.min_ngram) for _ in prompts],
                                             [len(p) for p in prompts])
             for index, prompt, tokens in zip(state.drafter_state.rows, prompts, state.generated):
                 index.extend(prompt + tokens)
-        return [index.lookup(self.num_draft) for index in state.drafter_state.rows]
+        rows = []
+        for index in state.drafter_state.rows:
+            found = [index.lookup(self.num_draft)]
+            if self.datastore is not None:
+                found.append(self.datastore.continuation(index.tokens, self.num_draft))
+            rows.append([chain for chain in found if chain])
+        return rows
 
     def propose(self, state: DecodeState) -> Draft:
-        chains = self.chains(state)
-        return paths_draft(state.root, [[c] if c else [] for c in chains], self.num_draft, self._trees)
+        return paths_draft(state.root, self.chains(state), self.num_draft, self._trees)
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         """Index the tokens this step committed."""

@@ -27,14 +27,16 @@ keywords, values converted to the type of the keyword's default; jacobi takes n 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
+from data.datastore import check_source
 from data.errors import UsageError
 from data.locations import is_local
+from inference.drafters.datastore import Datastore, load_datastore, source_error
 from inference.drafters.draft_model import build_draft_model_drafter
 from inference.drafters.draft_stop import check_stop_spec
 from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
@@ -56,7 +58,7 @@ from models.eagle3 import load_eagle3
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
-OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup")  # the load options a drafter type may not take
+OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore")  # the load options a type may not take
 MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
 
 
@@ -69,6 +71,15 @@ class LoadOptions:
     draft_stop: str | None = None  # draft models only (inference.drafters.draft_stop)
     head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
     lookup: int | None = None  # tree drafters: graft a prompt-lookup chain of up to N tokens onto each tree
+    # prompt lookup (alone or grafted by `lookup`): also draft from this corpus of the target's text; a source path
+    # (data.datastore) until `with_datastore` reads it, then the Datastore
+    datastore: str | Path | Datastore | None = None
+
+    def with_datastore(self, tokenizer: Any, naming: "Naming") -> "LoadOptions":
+        """These options with `datastore` read and indexed (a path given; `tokenizer` encodes a text source)."""
+        if self.datastore is None or isinstance(self.datastore, Datastore):
+            return self
+        return replace(self, datastore=load_datastore(self.datastore, tokenizer, label=naming.datastore))
 
 
 @dataclass(frozen=True)
@@ -81,12 +92,13 @@ class Naming:
     draft_stop: str
     head_vocab: str
     lookup: str
+    datastore: str  # without "=": messages name the source as <datastore>=<path>
 
 
 API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=",
-             lookup="lookup=")
+             lookup="lookup=", datastore="datastore")
 CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab",
-             lookup="--lookup")
+             lookup="--lookup", datastore="--datastore")
 
 
 @dataclass(frozen=True)
@@ -128,16 +140,41 @@ class DrafterRequest:
                                            or not 1 <= options.lookup <= MAX_LOOKUP):
             raise UsageError(f"{naming.lookup} must be a whole number of tokens in [1, {MAX_LOOKUP}], got "
                              f"{options.lookup!r}")
+        if options.datastore is not None:
+            self.check_datastore(options, naming)
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
         if self.spec is not None:  # its options and their values, as its builder takes them: no target needed
-            kind.build(self, None, options, None)
+            kind.build(self, None, replace(options, datastore=None), None)
+
+    def check_datastore(self, options: LoadOptions, naming: Naming) -> None:
+        """A tree drafter's datastore chain shares the nodes `lookup` adds, so it needs `lookup`; a source is read
+        whole here (a text source without its tokenizer), so bad data fails before any model loads."""
+        if "lookup" in DRAFTERS[self.type].takes and options.lookup is None:
+            raise UsageError(f"{naming.datastore} needs {naming.lookup.rstrip('=')} on {self.describe()}: the "
+                             f"datastore's chain shares the N nodes that {naming.lookup.rstrip('=')} N adds to its "
+                             f"tree")
+        if not isinstance(options.datastore, Datastore):
+            try:
+                check_source(options.datastore)
+            except UsageError as err:
+                raise source_error(naming.datastore, options.datastore, err) from None
 
     def build(self, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
         """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings'); with
-        `options.lookup`, its trees carry a prompt-lookup chain too (inference.drafters.with_lookup)."""
+        `options.lookup`, its trees carry a prompt-lookup chain too (inference.drafters.with_lookup), and the
+        datastore's continuation with `options.datastore` (a path is read here, ids only; `load` reads it with the
+        tokenizer before the model loads)."""
+        options = options.with_datastore(None, API)
+        if isinstance(options.datastore, Datastore):
+            vocab = model.config.get_text_config().vocab_size
+            if options.datastore.max_id >= vocab:
+                raise UsageError(f"datastore: token id {options.datastore.max_id} is outside the target's vocabulary "
+                                 f"[0, {vocab})")
         drafter = DRAFTERS[self.type].build(self, model, options, device)
-        return drafter if options.lookup is None else WithLookup(drafter, num_draft=options.lookup)
+        if options.lookup is None:
+            return drafter
+        return WithLookup(drafter, num_draft=options.lookup, datastore=options.datastore)
 
 
 @dataclass(frozen=True)
@@ -202,15 +239,18 @@ KEYWORD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "lookahead": LookaheadDrafter,
     "prompt_lookup": PromptLookupDrafter,
 }
+KEYWORD_TAKES = {"prompt_lookup": frozenset({"datastore"})}  # the load options (OPTIONAL) each one takes
 
 
-def build_training_free(name: str, options: Mapping[str, str]) -> Drafter:
-    """Drafter `name` of KEYWORD_DRAFTERS with `options` (key -> text). Unknown names, unknown keys and unparsable
-    values raise UsageError naming the drafter and the key."""
+def build_training_free(name: str, options: Mapping[str, str], **loaded: Any) -> Drafter:
+    """Drafter `name` of KEYWORD_DRAFTERS with `options` (key -> text) and `loaded` (keywords a load option supplies
+    as an object, such as `datastore`, never a spec's). Unknown names, unknown keys and unparsable values raise
+    UsageError naming the drafter and the key."""
     if name not in KEYWORD_DRAFTERS:
         raise UsageError(f"unknown training-free drafter {name!r} (known: {', '.join(sorted(KEYWORD_DRAFTERS))})")
-    params = inspect.signature(KEYWORD_DRAFTERS[name]).parameters
-    kwargs = {}
+    params = {key: p for key, p in inspect.signature(KEYWORD_DRAFTERS[name]).parameters.items()
+              if key not in OPTIONAL}
+    kwargs: dict[str, Any] = dict(loaded)
     for key, text in options.items():
         if key not in params:
             raise UsageError(f"{name}: unknown option {key!r} (known: {', '.join(params)})")
@@ -224,17 +264,18 @@ def build_training_free(name: str, options: Mapping[str, str]) -> Drafter:
 
 def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: LoadOptions, device: torch.device | None
              ) -> Drafter:
-    return build_training_free(request.spec.name, dict(request.spec.options))
+    loaded = {} if options.datastore is None else {"datastore": options.datastore}
+    return build_training_free(request.spec.name, dict(request.spec.options), **loaded)
 
 
 DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
-    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup"}), checkpoint=True),
+    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup", "datastore"}), checkpoint=True),
     "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
-    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup"}), checkpoint=True),
+    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "datastore"}), checkpoint=True),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
-    **{name: DrafterType(_keyword) for name in KEYWORD_DRAFTERS},
+    **{name: DrafterType(_keyword, KEYWORD_TAKES.get(name, frozenset())) for name in KEYWORD_DRAFTERS},
 }
 
 

@@ -8,8 +8,9 @@ prompt and output. They fail in different places: a trained drafter rarely guess
 (a variable name, a quoted sentence, a repeated line of code) is either right for many tokens or absent. `WithLookup`
 verifies both each step: per row, the inner tree's token paths first, then the lookup chain, merged into one token tree
 (`path_trees.rank_tree`: a chain that starts with tokens the inner tree already drafted continues below its nodes
-instead of repeating them). A step without a match verifies the inner tree alone; a matched chain adds at most
-`num_draft` nodes. Rows of a batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
+instead of repeating them). With a datastore of the target's own text (inference.drafters.datastore) the lookup also
+drafts the datastore's continuation, after its own chain. A step without a match verifies the inner tree alone; the
+lookup adds at most `num_draft` nodes. Rows of a batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
 
 Drafts of both are deterministic, so greedy verification still returns plain greedy decoding and rejection sampling
 with the one-hot rule stays exact (inference.engine.verify: exact for any deterministic tree). The inner drafter
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from inference.drafters.datastore import Datastore
 from inference.drafters.path_trees import TreeCache, merge_rows, rank_tree, tree_draft
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.engine.drafter import DecodeState, Draft, Drafter
@@ -63,11 +65,14 @@ def node_paths(draft: Draft) -> list[list[list[int]]]:
 
 class WithLookup:
     """`inner`'s tree plus a prompt-lookup chain of up to `num_draft` tokens per row (n-grams of `min_ngram` to
-    `max_ngram` tokens, as `PromptLookupDrafter`)."""
+    `max_ngram` tokens, as `PromptLookupDrafter`), and the `datastore`'s continuation when given, `num_draft` nodes
+    for both."""
 
-    def __init__(self, inner: Drafter, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, inner: Drafter, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 1,
+                 datastore: Datastore | None = None) -> None:
         self.inner = inner
-        self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, num_draft=num_draft)
+        self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, num_draft=num_draft,
+                                          datastore=datastore)
         self.needs_hidden = inner.needs_hidden
         self.feature_layers: tuple[int, ...] = tuple(getattr(inner, "feature_layers", ()))
         self.tree = getattr(inner, "tree", None)  # the inner drafter's own tree, before any chain (Engine.tree)
@@ -78,12 +83,12 @@ class WithLookup:
         with part_state(state, run, "inner"):
             draft = self.inner.propose(state)
         with part_state(state, run, "lookup"):
-            chains = self.lookup.chains(state)  # [B] lists of up to num_draft tokens
+            chains = self.lookup.chains(state)  # [B] lists of chains of up to num_draft tokens
         if draft.probs is not None:
             raise ValueError("WithLookup: the inner drafter sampled its draft; only deterministic drafts merge")
         if not any(chains):
             return draft
-        rows = [rank_tree(paths + ([chain] if chain else [])) for paths, chain in zip(node_paths(draft), chains)]
+        rows = [rank_tree(paths + found) for paths, found in zip(node_paths(draft), chains)]
         choices = merge_rows(rows, draft.tree.num_nodes - 1 + self.lookup.num_draft)
         return tree_draft(draft.tokens[:, 0], rows, choices, self._trees)
 

@@ -1,0 +1,87 @@
+"""The text a datastore drafter copies from (inference.drafters.datastore): assistant tokens, one document per turn.
+
+Sources (`source`, a path):
+    a feature cache folder (manifest.json, see data.features)   the trained tokens of its train split: each run of
+                                                                 loss-masked tokens (an assistant turn) is a document;
+                                                                 no tokenizer needed, the ids are the cache's own
+    a ShareGPT-format file or folder (data.readers)              every assistant turn's text, tokenised by the caller
+                                                                 (`encode`), e.g. the self-distilled answers a
+                                                                 features job writes to <cache>/self_distill/
+The target's own answers make the best datastore (docs/eagle3.md): a feature cache made with data.self_distill=true
+already holds them. `check_source` reads what it can without a tokenizer, so a bad source fails before any model
+loads; every error is one line naming the source (and the file and record where a record is bad).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+from data.chat import IGNORE_INDEX
+from data.errors import DataError
+from data.features import MANIFEST, FeatureDataset, check_cache
+from data.readers import read_conversations
+
+
+def is_feature_cache(source: str | Path) -> bool:
+    return (Path(source) / MANIFEST).is_file()
+
+
+def located(source: str | Path) -> Path:
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"{source}: no such file or folder (expected a feature cache folder or a ShareGPT-format "
+                        f"file or folder of the target's answers)")
+    return path
+
+
+def check_source(source: str | Path) -> None:
+    """Raise DataError (one line) when `source` is not a usable datastore source; parses a ShareGPT source whole."""
+    path = located(source)
+    if is_feature_cache(path):
+        cache_documents(path)
+    else:
+        answer_texts(path)
+
+
+def answer_texts(source: str | Path) -> list[str]:
+    """Every non-empty assistant turn of a ShareGPT-format source, in order."""
+    read = read_conversations(Path(source).expanduser(), "sharegpt", on_error="raise")
+    texts = [m["content"] for conversation in read.conversations for m in conversation
+             if m["role"] == "assistant" and m["content"].strip()]
+    if not texts:
+        raise DataError(f"{source}: no assistant turn to copy from")
+    return texts
+
+
+def cache_documents(folder: str | Path, tokenizer_hash: str | None = None) -> list[list[int]]:
+    """The trained-token runs of a complete feature cache's train split; `tokenizer_hash` (models.fingerprint) refuses
+    a cache made with another tokenizer."""
+    check_cache(folder, tokenizer=tokenizer_hash, key="")
+    documents: list[list[int]] = []
+    for labels in FeatureDataset(folder, "train").labels():
+        run: list[int] = []
+        for token in labels.tolist():
+            if token == IGNORE_INDEX:
+                if run:
+                    documents.append(run)
+                run = []
+            else:
+                run.append(token)
+        if run:
+            documents.append(run)
+    if not documents:
+        raise DataError(f"{folder}: the feature cache's train split holds no trained (assistant) token")
+    return documents
+
+
+def corpus_documents(source: str | Path, encode: Callable[[str], Sequence[int]] | None = None,
+                     tokenizer_hash: str | None = None) -> list[list[int]]:
+    """Token-id documents of `source` (see the module docstring); a ShareGPT source needs `encode` (text -> ids)."""
+    path = located(source)
+    if is_feature_cache(path):
+        return cache_documents(path, tokenizer_hash)
+    if encode is None:
+        raise DataError(f"{source}: a text source needs the target's tokenizer; this engine has none (pass a feature "
+                        f"cache folder, which stores token ids)")
+    return [list(encode(text)) for text in answer_texts(path)]

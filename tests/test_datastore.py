@@ -1,0 +1,195 @@
+"""Drafting from a datastore of the target's own text (inference.drafters.datastore, data.datastore): continuations
+against a brute-force search, the sources it reads and the one-line refusals, the chains it adds to prompt lookup and
+to a tree drafter's lookup, and greedy output equal to plain greedy decoding with its drafts accepted."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import inference.api as api
+from data.errors import UsageError
+from inference.api import load
+from inference.drafters.datastore import Datastore, load_datastore
+from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.drafters.registry import LoadOptions, build_training_free, resolve
+from inference.drafters.with_lookup import WithLookup
+from inference.engine.drafter import DecodeState
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.tree import build_tree
+from tests.data_support import tiny_tokenizer
+from tests.model_support import save_tiny_model
+from tests.test_draft_model import left_pad
+from tests.test_generate import random_heads
+from tests.test_lookahead import repetitive_prompts
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def naive_continuation(docs: list[list[int]], context: list[int], length: int, max_match: int) -> list[int]:
+    """Reference: scan every document for the longest context suffix (<= max_match) followed by a token; draft the
+    most frequent such token (the smallest id on a tie); repeat."""
+    seq, out = list(context), []
+    while len(out) < length:
+        for n in range(min(max_match, len(seq)), 0, -1):
+            pattern = seq[len(seq) - n :]
+            following = Counter(d[i + n] for d in docs for i in range(len(d) - n) if d[i : i + n] == pattern)
+            if following:
+                top = max(following.values())
+                token = min(t for t, c in following.items() if c == top)
+                break
+        else:
+            return out
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+def test_continuation_examples_and_brute_force():
+    store = Datastore([[1, 2, 3, 4], [1, 2, 3, 4], [9, 2, 3, 5]])
+    assert store.continuation([9, 2, 3], 8) == [5]  # the longest match "9 2 3" wins over the frequent "2 3" -> 4
+    assert store.continuation([7, 2, 3], 8) == [4]  # "2 3" -> 4, 4, 5; after 4 a document ends: nothing follows
+    assert store.continuation([8], 4) == [] and store.continuation([5], 4) == []  # unknown, and only at an end
+    chain = Datastore([[5, 6, 7, 8, 9]])
+    assert chain.continuation([5], 8) == [6, 7, 8, 9] and chain.continuation([0, 5], 2) == [6, 7]
+    assert Datastore([[1, 2], [3, 4]]).continuation([2], 4) == []  # documents never run into each other
+    assert Datastore([[1, 2, 3], [1, 2, 3]], max_match=1).continuation([7, 2], 5) == [3]
+    rng = random.Random(0)
+    for _ in range(150):
+        docs = [[rng.randrange(6) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 5))]
+        context = [rng.randrange(7) for _ in range(rng.randint(1, 8))]
+        max_match = rng.randint(1, 4)
+        expected = naive_continuation(docs, context, 6, max_match)
+        assert Datastore(docs, max_match=max_match).continuation(context, 6) == expected, (docs, context)
+
+
+def test_a_large_range_is_counted_from_a_sample_and_ids_are_checked():
+    store = Datastore([[1, 2]] * 6000 + [[1, 3]] * 2000)  # 8,000 occurrences of 1: more than one lookup scans
+    assert store.continuation([1], 3) == [2]
+    assert store.num_documents == 8000 and store.num_tokens == 16000 and store.max_id == 3
+    with pytest.raises(UsageError, match=r"token id 50 is outside the target's vocabulary \[0, 10\)"):
+        Datastore([[1, 50]], vocab_size=10)
+    with pytest.raises(UsageError, match="token id -1 is outside"):
+        Datastore([[1, -1]])
+    with pytest.raises(UsageError, match="no tokens to draft from"):
+        Datastore([[], []])
+
+
+def sharegpt_file(tmp_path, records: list, name: str = "answers.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def chat(user: str, *answers: str) -> dict:
+    turns = [{"from": "human", "value": user}]
+    for answer in answers:
+        turns += [{"from": "gpt", "value": answer}, {"from": "human", "value": "more"}]
+    return {"conversations": turns[:-1] if answers else turns}
+
+
+def test_a_sharegpt_source_gives_one_document_per_assistant_turn(tmp_path):
+    tokenizer = tiny_tokenizer()
+    path = sharegpt_file(tmp_path, [chat("hi", "hello world", "have a nice day"), chat("who?", "I am a helpful")])
+    store = load_datastore(path, tokenizer)
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("hello world", "have a nice day",
+                                                                              "I am a helpful")]
+    assert store.num_documents == 3 and store.num_tokens == sum(map(len, encoded))
+    assert store.continuation(encoded[1][:1], 20) == encoded[1][1:]
+
+
+@pytest.mark.parametrize("case", ["missing", "bad_line", "no_answer", "no_tokenizer"])
+def test_a_bad_source_is_one_line_naming_it(tmp_path, case):
+    path = str(tmp_path / "nope.jsonl") if case == "missing" else sharegpt_file(tmp_path, {
+        "bad_line": [chat("hi", "hello"), "{not json"],
+        "no_answer": [chat("only a question")],
+        "no_tokenizer": [chat("hi", "hello")],
+    }[case])
+    needle = {"missing": "no such file or folder", "bad_line": "malformed JSON line", "no_answer": "no assistant turn",
+              "no_tokenizer": "needs the target's tokenizer"}[case]
+    with pytest.raises(UsageError) as err:
+        load_datastore(path, None if case == "no_tokenizer" else tiny_tokenizer(), label="--datastore")
+    message = str(err.value)
+    record = {"bad_line": ":2", "no_answer": ":1"}.get(case, "")  # the record at fault, where there is one
+    where = f"--datastore={path}{record}: "
+    assert message.startswith(where) and needle in message and "\n" not in message
+    assert message.count(path) == 1  # the source is named once
+
+
+def state_of(contexts: list[list[int]]) -> DecodeState:
+    """The state after the prefill: each context's last token is the root, committed after its prompt."""
+    ids = torch.tensor([c[:-1] for c in contexts])
+    return DecodeState(cache=DynamicCache(), valid=ids > 0, next_pos=(ids > 0).sum(-1),
+                       root=torch.tensor([c[-1] for c in contexts]), hidden=None, prompt=ids,
+                       generated=[[c[-1]] for c in contexts])
+
+
+def test_prompt_lookup_adds_the_datastore_chain_within_its_nodes():
+    store = Datastore([[7, 8, 9, 10, 11]])
+    # row 0: its own text has "1 2" -> 5 6, the datastore "1 2" never, "2" never: its own chain only;
+    # row 1: no earlier occurrence of its last token 7 in its own text: the datastore's 8 9 10 11
+    drafter = PromptLookupDrafter(num_draft=4, datastore=store)
+    state = state_of([[1, 2, 5, 6, 1, 2], [3, 3, 4, 4, 4, 7]])
+    assert drafter.chains(state)[1] == [[8, 9, 10, 11]]
+    assert drafter.chains(state)[0] == [[5, 6, 1, 2]]
+    # a row with both: its own chain first, then the datastore's, sharing the first drafted token
+    both = PromptLookupDrafter(num_draft=3, datastore=Datastore([[2, 5, 9, 9]]))
+    found = both.chains(state_of([[1, 2, 5, 6, 1, 2]]))[0]
+    assert found == [[5, 6, 1], [5, 9, 9]]
+    draft = both.propose(state_of([[1, 2, 5, 6, 1, 2]]))
+    assert draft.tokens.tolist() == [[2, 5, 6, 1]]  # num_draft = 3 nodes after the root: its own chain fills them
+    draft = both.propose(state_of([[1, 3, 5, 6, 4, 2]]))  # no earlier 2 in its own text: the datastore's chain
+    assert draft.tokens.tolist() == [[2, 5, 9, 9]]
+
+
+def test_a_datastore_is_a_load_option_never_a_spec_option(tmp_path):
+    with pytest.raises(UsageError, match="prompt_lookup: unknown option 'datastore'"):
+        build_training_free("prompt_lookup", {"datastore": "x"})
+    source = sharegpt_file(tmp_path, [chat("hi", "hello")])
+    with pytest.raises(UsageError, match="datastore does not apply to drafter 'lookahead'; it applies to eagle3, "
+                                         "medusa, prompt_lookup"):
+        resolve("lookahead", base="builtin:tiny").check(LoadOptions(datastore=source))
+    with pytest.raises(UsageError, match="datastore=.*nope: no such file or folder"):
+        resolve("prompt_lookup", base="builtin:tiny").check(LoadOptions(datastore=str(tmp_path / "nope")))
+
+
+def test_greedy_equals_plain_greedy_with_the_datastores_drafts_accepted(tiny_lm):
+    """Batched, left-padded, fp32: prompt lookup alone, with a datastore of the target's own answers to other
+    prompts, and Medusa with both grafted on give plain greedy decoding; the datastore raises tokens per step."""
+    prompts, others = repetitive_prompts(11, 3), repetitive_prompts(12, 6)
+    ids, mask = left_pad(prompts)
+    config = DecodeConfig(max_new_tokens=20)
+    plain = generate(tiny_lm, ids, None, config, attention_mask=mask).sequences
+    other_ids, other_mask = left_pad(others)
+    answers = generate(tiny_lm, other_ids, None, config, attention_mask=other_mask).sequences
+    store = Datastore(answers + plain[:1])  # the target's answers, one of them to a prompt decoded below
+    alone = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=6), config, attention_mask=mask)
+    with_store = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=6, datastore=store), config,
+                          attention_mask=mask)
+    tree = build_tree([(0,), (1,), (0, 0)], num_heads=2, topk=2)
+    grafted = generate(tiny_lm, ids, WithLookup(MedusaDrafter(random_heads(2, tiny_lm, seed=3), tree), num_draft=6,
+                                                datastore=store), config, attention_mask=mask)
+    assert alone.sequences == plain and with_store.sequences == plain and grafted.sequences == plain
+    assert with_store.stats.mean_accepted > alone.stats.mean_accepted + 0.2, (alone.stats.mean_accepted,
+                                                                             with_store.stats.mean_accepted)
+
+
+def test_load_reads_the_datastore_before_the_model_and_decodes_exactly(tmp_path, monkeypatch):
+    target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
+    tokenizer = tiny_tokenizer()
+    source = sharegpt_file(tmp_path, [chat("hi", "hello world, hello there! Have a nice day.")])
+    engine = load("prompt_lookup", base=str(target), dtype="fp32", datastore=source)
+    assert isinstance(engine.drafter.datastore, Datastore) and engine.drafter.datastore.num_documents == 1
+    prompt = tokenizer("hello world, hello", add_special_tokens=False)["input_ids"]
+    plain = load(None, base=str(target), dtype="fp32").generate(prompt, max_new_tokens=12).sequences
+    assert engine.generate(prompt, max_new_tokens=12).sequences == plain
+    bad = sharegpt_file(tmp_path, [chat("hi", "hello"), "[1, 2"], name="bad.jsonl")
+    monkeypatch.setattr(api, "load_target", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(UsageError, match=r"^datastore=.*bad\.jsonl:2: "):
+        load("prompt_lookup", base=str(target), dtype="fp32", datastore=bad)
