@@ -138,12 +138,13 @@ def test_prompt_lookup_adds_the_datastore_chain_within_its_nodes():
     state = state_of([[1, 2, 5, 6, 1, 2], [3, 3, 4, 4, 4, 7]])
     assert drafter.chains(state)[1] == [[8, 9, 10, 11]]
     assert drafter.chains(state)[0] == [[5, 6, 1, 2]]
-    # a row with both: its own chain first, then the datastore's, sharing the first drafted token
+    # a row with both: the chains share their first token 5 and take turns below it, a level at a time
     both = PromptLookupDrafter(num_draft=3, datastore=Datastore([[2, 5, 9, 9]]))
     found = both.chains(state_of([[1, 2, 5, 6, 1, 2]]))[0]
     assert found == [[5, 6, 1], [5, 9, 9]]
     draft = both.propose(state_of([[1, 2, 5, 6, 1, 2]]))
-    assert draft.tokens.tolist() == [[2, 5, 6, 1]]  # num_draft = 3 nodes after the root: its own chain fills them
+    assert draft.tree.choices == ((0,), (0, 0), (0, 1))  # 3 nodes: 5, then 6 and 9 below it; the cap cuts 1 and 9
+    assert draft.tokens.tolist() == [[2, 5, 6, 9]]
     draft = both.propose(state_of([[1, 3, 5, 6, 4, 2]]))  # no earlier 2 in its own text: the datastore's chain
     assert draft.tokens.tolist() == [[2, 5, 9, 9]]
 
@@ -193,3 +194,25 @@ def test_load_reads_the_datastore_before_the_model_and_decodes_exactly(tmp_path,
     monkeypatch.setattr(api, "load_target", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(UsageError, match=r"^datastore=.*bad\.jsonl:2: "):
         load("prompt_lookup", base=str(target), dtype="fp32", datastore=bad)
+
+
+@pytest.mark.parametrize("num_draft", [3, 6])
+def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft):
+    """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
+    prefill included) for prompt lookup with a datastore, without a tree forward."""
+    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
+
+    script = load_script("lookup_walk")
+    prompts, others = repetitive_prompts(21, 4), repetitive_prompts(22, 6)
+    config = DecodeConfig(max_new_tokens=24)
+    other_ids, other_mask = left_pad(others)
+    store = Datastore(generate(tiny_lm, other_ids, None, config, attention_mask=other_mask).sequences)
+    tokens = forwards = walked_tokens = walked_forwards = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=num_draft, datastore=store), config)
+        tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
+        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store, own=True), num_draft)
+        walked_tokens, walked_forwards = walked_tokens + t, walked_forwards + f
+    assert (walked_tokens, walked_forwards) == (tokens, forwards)
+    assert tokens / forwards > 1.2  # drafts were accepted

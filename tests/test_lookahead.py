@@ -111,6 +111,9 @@ def test_prune_bounds_the_trie_and_keeps_frequent_ngrams():
 def test_token_paths_merge_into_one_tree_per_step():
     nodes = rank_tree([(5, 6, 7), (5, 8), (9,), (5, 6)])
     assert nodes == [((0,), 5), ((0, 0), 6), ((0, 0, 0), 7), ((0, 1), 8), ((1,), 9)]
+    # paths that take turns come after the priority ones, a level at a time: every second token (4, 8) before 7
+    turns = rank_tree([(5, 6)], take_turns=[(5, 6, 7, 2), (9, 4), (5, 8)])
+    assert turns == [((0,), 5), ((0, 0), 6), ((1,), 9), ((1, 0), 4), ((0, 1), 8), ((0, 0, 0), 7), ((0, 0, 0, 0), 2)]
     other = rank_tree([(4,), (3, 3)])  # ranks (0,), (1,), (1, 0)
     assert merge_rows([nodes, other], max_nodes=3) == [(0,), (0, 0), (1,)]  # rows take turns; prefix-closed
     trees = TreeCache()

@@ -9,9 +9,9 @@ occurrence, as a chain. Each row keeps a hash index n-gram -> end of its latest 
 updated with the committed tokens, so a lookup costs O(max_ngram) whatever the length of the context.
 
 With a datastore (inference.drafters.datastore) a row also drafts the datastore's continuation of its context (the
-target's own earlier answers, where a phrase it says often is found), after its own chain: the two merge into one
-token tree (a shared start drafted once) of at most `num_draft` nodes, so the datastore's chain fills what the row's
-own chain leaves: all of it in a step where the row's own text has no match.
+target's own earlier answers, where a phrase it says often is found). The two chains merge into one token tree (a
+shared start drafted once) and take turns, a level at a time, for its `num_draft` nodes; a step where one of them has
+no match gives the other all of them.
 
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
 the one-hot rule (inference.engine.verify) keep the output exact.
@@ -71,8 +71,8 @@ class LookupRun:
 
 class PromptLookupDrafter:
     """A chain of up to `num_draft` tokens per row from an `NgramIndex` over that row's prompt and output; with a
-    `datastore`, also the datastore's continuation of the row, after it (at most `num_draft` nodes for both). Rows
-    without a match contribute no nodes (fillers where other rows drafted; a root-only tree when none did)."""
+    `datastore`, also the datastore's continuation of the row (the two share `num_draft` nodes, a level at a time).
+    Rows without a match contribute no nodes (fillers where other rows drafted; a root-only tree when none did)."""
 
     needs_hidden = False
 
@@ -96,16 +96,18 @@ class PromptLookupDrafter:
                                             [len(p) for p in prompts])
             for index, prompt, tokens in zip(state.drafter_state.rows, prompts, state.generated):
                 index.extend(prompt + tokens)
-        rows = []
-        for index in state.drafter_state.rows:
-            found = [index.lookup(self.num_draft)]
-            if self.datastore is not None:
-                found.append(self.datastore.continuation(index.tokens, self.num_draft))
-            rows.append([chain for chain in found if chain])
-        return rows
+        return [self.row_chains(index) for index in state.drafter_state.rows]
+
+    def row_chains(self, index: NgramIndex) -> list[list[int]]:
+        """One row's chains (its index holds the row's prompt and committed tokens): its own text's, then the
+        datastore's; a chain without a match is left out."""
+        found = [index.lookup(self.num_draft)]
+        if self.datastore is not None:
+            found.append(self.datastore.continuation(index.tokens, self.num_draft))
+        return [chain for chain in found if chain]
 
     def propose(self, state: DecodeState) -> Draft:
-        return paths_draft(state.root, self.chains(state), self.num_draft, self._trees)
+        return paths_draft(state.root, self.chains(state), self.num_draft, self._trees, take_turns=True)
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         """Index the tokens this step committed."""

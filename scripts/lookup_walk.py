@@ -1,0 +1,134 @@
+"""What would prompt lookup verify with a datastore of the target's own text, and with how many nodes? A walk over the
+target's greedy answers, no tree forward.
+
+    python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self
+    python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self --datastore answers.jsonl \
+        --num-draft 8,16 --questions self_instruct:16:spread
+
+Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
+engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
+so far (`PromptLookupDrafter.row_chains`: the request's own chain and the datastore's, merged into one token tree of
+at most N nodes after the root, taking turns a level at a time), accepts the longest drafted path that the answer continues, plus the target's own next
+token. τ = answer tokens / target forwards (the prefill included), the engine's greedy τ for those drafters exactly.
+Rows: prompt lookup alone, each datastore alone, prompt lookup with each datastore; at each N of --num-draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from data.datastore import check_source  # noqa: E402
+from data.errors import UsageError  # noqa: E402
+from inference import load  # noqa: E402
+from inference.bench.prompt_sets import load_questions  # noqa: E402
+from inference.drafters.datastore import Datastore, load_datastore, source_error  # noqa: E402
+from inference.drafters.path_trees import merge_rows, rank_tree  # noqa: E402
+from inference.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter  # noqa: E402
+
+
+def accepted(chains: list[list[int]], max_nodes: int, answer: list[int]) -> int:
+    """Drafts of the capped token tree of `chains` that greedy verification accepts when the target says `answer`."""
+    nodes = rank_tree((), chains)  # as PromptLookupDrafter.propose: the chains take turns for the nodes
+    kept = set(merge_rows([nodes], max_nodes))
+    child = {(path[:-1], token): path for path, token in nodes if path in kept}
+    at, count = (), 0
+    for token in answer:
+        if (at, token) not in child:
+            break
+        at, count = child[(at, token)], count + 1
+    return count
+
+
+def walk(prompt: list[int], answer: list[int], draft: "Drafts", max_nodes: int) -> tuple[int, int]:
+    """(answer tokens, target forwards) replaying `answer`; `draft(index)` gives the chains of a step."""
+    index = NgramIndex(max_n=3)
+    index.extend(prompt + answer[:1])  # the prefill's forward commits the first token
+    done, forwards = 1, 1
+    while done < len(answer):
+        step = min(accepted(draft(index), max_nodes, answer[done:]) + 1, len(answer) - done)
+        index.extend(answer[done : done + step])
+        done, forwards = done + step, forwards + 1
+    return len(answer), forwards
+
+
+class Drafts:
+    """The chains one row drafts each step: prompt lookup (with a datastore) or a datastore alone."""
+
+    def __init__(self, num_draft: int, store: Datastore | None, own: bool) -> None:
+        self.lookup = PromptLookupDrafter(num_draft=num_draft, datastore=store)
+        self.store, self.own = store, own
+
+    def __call__(self, index: NgramIndex) -> list[list[int]]:
+        if self.own:
+            return self.lookup.row_chains(index)
+        chain = self.store.continuation(index.tokens, self.lookup.num_draft)
+        return [chain] if chain else []
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python scripts/lookup_walk.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="the target (a conf/model name, a folder, a hub id)")
+    p.add_argument("--datastore", action="append", default=[], metavar="PATH",
+                   help="a feature cache folder or a ShareGPT file or folder of the target's answers; repeatable")
+    p.add_argument("--num-draft", default="8", help="comma list of node budgets N (default 8)")
+    p.add_argument("--questions", default="mt_bench:8:spread,gsm8k:4:spread,humaneval:4:spread",
+                   help="bench prompt sets or a question file (first turns)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    try:
+        args.budgets = [int(n) for n in args.num_draft.split(",")]
+    except ValueError:
+        p.error(f"--num-draft takes a comma list of whole numbers, got {args.num_draft!r}")
+    if args.max_new_tokens < 1 or min(args.budgets) < 1:
+        p.error("--max-new-tokens and --num-draft take positive numbers")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:  # every input is checked before the model loads
+        for path in args.datastore:
+            try:
+                check_source(path)
+            except UsageError as err:
+                raise source_error("--datastore", path, err) from None
+        questions, _ = load_questions(args.questions)
+        engine = load(None, base=args.base, dtype=args.dtype)
+        stores = {path: load_datastore(path, engine.tokenizer, label="--datastore") for path in args.datastore}
+    except (UsageError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cases = []
+    for question in tqdm(questions, desc="greedy answers"):
+        prompt = engine.encode(question.turns[0])
+        cases.append((prompt, engine.generate_ids(prompt, max_new_tokens=args.max_new_tokens).sequences[0]))
+    rows = [("prompt lookup", None, True)]
+    rows += [(f"datastore {path}", store, False) for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path}", store, True) for path, store in stores.items()]
+    total = sum(len(answer) for _, answer in cases)
+    print(f"{len(cases)} prompts (--questions {args.questions}), {total} answer tokens, greedy, {args.dtype}")
+    print(f"{'drafter':60}{'nodes':>7}{'walk τ':>9}")
+    for budget in args.budgets:
+        for name, store, own in rows:
+            draft = Drafts(budget, store, own)
+            tokens = forwards = 0
+            for prompt, answer in cases:
+                t, f = walk(prompt, answer, draft, budget)
+                tokens, forwards = tokens + t, forwards + f
+            print(f"{name:60}{'≤ ' + str(budget + 1):>7}{tokens / forwards:9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
