@@ -9,8 +9,11 @@ prompt and output. They fail in different places: a trained drafter rarely guess
 verifies both each step: per row, the inner tree's token paths first, then the lookup chain, merged into one token tree
 (`path_trees.rank_tree`: a chain that starts with tokens the inner tree already drafted continues below its nodes
 instead of repeating them). With a datastore of the target's own text (inference.drafters.datastore) the lookup also
-drafts the datastore's continuation; the two chains take turns, a level at a time, for the lookup's nodes. A step
-without a match verifies the inner tree alone; the lookup adds at most `num_draft` nodes. Rows of a batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
+drafts the datastore's continuation, after the request's own chain: it gets the lookup's nodes the own chain leaves
+(all of them in a step where the request's own text has no match). A trained drafter and a datastore both predict the
+target's habitual phrasing, a copy from the request is what neither can guess, so here the copy comes first (on
+smollm2, with EAGLE-3's 8-node tree: τ 2.35 in this order, 2.30 with the chains taking turns as prompt lookup alone
+has them). A step without a match verifies the inner tree alone; the lookup adds at most `num_draft` nodes. Rows of a batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
 
 Drafts of both are deterministic, so greedy verification still returns plain greedy decoding and rejection sampling
 with the one-hot rule stays exact (inference.engine.verify: exact for any deterministic tree). The inner drafter
@@ -88,7 +91,7 @@ class WithLookup:
             raise ValueError("WithLookup: the inner drafter sampled its draft; only deterministic drafts merge")
         if not any(chains):
             return draft
-        rows = [rank_tree(paths, found) for paths, found in zip(node_paths(draft), chains)]
+        rows = [rank_tree(paths + found) for paths, found in zip(node_paths(draft), chains)]  # priority order
         choices = merge_rows(rows, draft.tree.num_nodes - 1 + self.lookup.num_draft)
         return tree_draft(draft.tokens[:, 0], rows, choices, self._trees)
 
