@@ -8,8 +8,8 @@ Sources (`source`, a path):
                                                                  (`encode`), e.g. the self-distilled answers a
                                                                  features job writes to <cache>/self_distill/
 The target's own answers make the best datastore (docs/eagle3.md): a feature cache made with data.self_distill=true
-already holds them. `check_source` reads what it can without a tokenizer, so a bad source fails before any model
-loads; every error is one line naming the source (and the file and record where a record is bad).
+already holds them. `check_source` checks what it can without a tokenizer; every error is one line naming the source
+(and the file and record where a record is bad).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def is_feature_cache(source: str | Path) -> bool:
 
 
 def located(source: str | Path) -> Path:
+    """`source` as a path that exists; DataError (one line) otherwise."""
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"{source}: no such file or folder (expected a feature cache folder or a ShareGPT-format "
@@ -36,10 +37,11 @@ def located(source: str | Path) -> Path:
 
 
 def check_source(source: str | Path) -> None:
-    """Raise DataError (one line) when `source` is not a usable datastore source; parses a ShareGPT source whole."""
+    """Raise DataError (one line) when `source` is not a usable datastore source: a feature cache's manifest is
+    checked, a ShareGPT source parsed whole (a bad record is named before anything else starts)."""
     path = located(source)
     if is_feature_cache(path):
-        cache_documents(path)
+        check_cache(path, key="")
     else:
         answer_texts(path)
 

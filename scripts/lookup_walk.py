@@ -8,8 +8,9 @@ target's greedy answers, no tree forward.
 Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
 engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
 so far (`PromptLookupDrafter.row_chains`: the request's own chain and the datastore's, merged into one token tree of
-at most N nodes after the root, taking turns a level at a time), accepts the longest drafted path that the answer continues, plus the target's own next
-token. τ = answer tokens / target forwards (the prefill included), the engine's greedy τ for those drafters exactly.
+at most N nodes after the root, taking turns a level at a time), accepts the longest drafted path that the answer
+continues, plus the target's own next token. τ = answer tokens / target forwards (the prefill included), the engine's
+greedy τ for those drafters exactly.
 Rows: prompt lookup alone, each datastore alone, prompt lookup with each datastore; at each N of --num-draft.
 """
 

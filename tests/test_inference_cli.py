@@ -200,8 +200,8 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
     bad_questions = tmp_path / "q.jsonl"
     bad_questions.write_text(json.dumps(QUESTIONS[0]) + "\n{\"question_id\": 2, \"turns\": []}\n")
     bad_store = tmp_path / "answers.jsonl"
-    bad_store.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt",
-                                                                                         "value": "hello"}]}) + "\n[1,\n")
+    answer = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    bad_store.write_text(json.dumps(answer) + "\n[1,\n")  # line 2 does not parse
     gen = ("generate", "--drafter", assets["ckpt"], "--max-new-tokens", "2")
     argv, needle = {
         "temperature": ((*gen, "--prompt", "x", "--temperature", "-1"), "--temperature"),

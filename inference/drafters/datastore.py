@@ -34,8 +34,7 @@ MAX_SCAN = 4096  # occurrences counted per lookup at most (evenly spaced over th
 class Datastore:
     """A corpus of token-id documents, indexed for `continuation`. Ids must lie in [0, vocab_size) when given."""
 
-    def __init__(self, documents: Sequence[Sequence[int]], max_match: int = 4, vocab_size: int | None = None,
-                 ) -> None:
+    def __init__(self, documents: Sequence[Sequence[int]], max_match: int = 4, vocab_size: int | None = None) -> None:
         if max_match < 1:
             raise ValueError(f"Datastore: max_match must be >= 1, got {max_match}")
         parts = [np.asarray(doc, dtype=np.int64) for doc in documents if len(doc)]
@@ -102,14 +101,13 @@ def source_error(label: str, source: str | Path, err: Exception) -> UsageError:
     return UsageError(f"{label}={message}" if message.startswith(str(source)) else f"{label}={source}: {message}")
 
 
-def load_datastore(source: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
-                   label: str = "datastore") -> Datastore:
+def load_datastore(source: str | Path, tokenizer: Any = None, label: str = "datastore") -> Datastore:
     """The Datastore of `source` (data.datastore: a feature cache, or a ShareGPT file or folder tokenised with
-    `tokenizer`). A cache made with another tokenizer, ids outside `vocab_size` or unreadable data raise UsageError,
-    one line starting with `label`=source."""
+    `tokenizer`). A cache made with another tokenizer or unreadable data raise UsageError, one line starting with
+    `label`=source. (The target's vocabulary is checked against `Datastore.max_id` where the target is loaded.)"""
     encode = None if tokenizer is None else (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
     fingerprint = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
     try:
-        return Datastore(corpus_documents(source, encode, fingerprint), vocab_size=vocab_size)
+        return Datastore(corpus_documents(source, encode, fingerprint))
     except UsageError as err:
         raise source_error(label, source, err) from None

@@ -148,8 +148,8 @@ class DrafterRequest:
             kind.build(self, None, replace(options, datastore=None), None)
 
     def check_datastore(self, options: LoadOptions, naming: Naming) -> None:
-        """A tree drafter's datastore chain shares the nodes `lookup` adds, so it needs `lookup`; a source is read
-        whole here (a text source without its tokenizer), so bad data fails before any model loads."""
+        """A tree drafter's datastore chain shares the nodes `lookup` adds, so it needs `lookup`; the source is
+        checked here (a cache's manifest, a text source parsed whole), before any model or tokenizer loads."""
         if "lookup" in DRAFTERS[self.type].takes and options.lookup is None:
             raise UsageError(f"{naming.datastore} needs {naming.lookup.rstrip('=')} on {self.describe()}: the "
                              f"datastore's chain shares the N nodes that {naming.lookup.rstrip('=')} N adds to its "
