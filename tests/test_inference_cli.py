@@ -223,8 +223,8 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
                               "--lookup does not apply to build-tree"),
         "datastore": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt", "x",
                        "--datastore", tmp_path / "none"), f"--datastore={tmp_path / 'none'}: no such file or folder"),
-        "datastore_line": (("bench", "--drafter", "prompt_lookup", "--base", assets["model"], "--datastore",
-                            bad_store), f"--datastore={bad_store}:2: "),
+        "datastore_line": (("bench", "--drafter", "prompt_lookup", "--base", assets["model"], "--questions",
+                            assets["questions"], "--datastore", bad_store), f"--datastore={bad_store}:2: "),
         "datastore_lookup": ((*gen, "--prompt", "x", "--datastore", bad_store),
                              "--datastore needs --lookup on drafter_type 'medusa'"),
     }[case]
