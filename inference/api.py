@@ -54,13 +54,15 @@ class Engine:
     ids too and then returns a GenerationOutput, ids and statistics, as the engine's loop makes them."""
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, drafter_config: dict[str, Any] | None = None,
-                 cpu_kernel: bool = True, tokenizer: Any = None, chat_template: str | None = None) -> None:
+                 cpu_kernel: bool = True, tokenizer: Any = None, chat_template: str | None = None,
+                 slot_cache: bool = True) -> None:
         self.model = model
         self.drafter = drafter
         self.drafter_config = drafter_config
         self.cpu_kernel = cpu_kernel  # few-row bf16 CPU linears through kernels.cpu_linear (False: stock only)
         self.tokenizer = tokenizer  # None: ids only
         self.chat_template = chat_template  # a shipped template name or Jinja string; None: the tokenizer's own
+        self.slot_cache = slot_cache  # the KV cache in preallocated slots (False: stock concatenation, a baseline)
 
     @property
     def device(self) -> torch.device:
@@ -198,6 +200,7 @@ class Engine:
             eos_token_ids=eos,
             stop_sequences=tuple(tuple(int(t) for t in s) for s in stop),
             cpu_kernel=self.cpu_kernel,
+            slot_cache=self.slot_cache,
         )
         generator = None
         if seed is not None:

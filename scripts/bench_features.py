@@ -5,9 +5,12 @@ Both on the same conversations of a data recipe, with the same target, in one ru
                 `python -m train features` runs per batch): tokens/s of conversation tokens
   self-distill  the engine's batched greedy generation of the first assistant turn (what data.self_distill runs,
                 inference.collect.self_distill): tokens/s of generated tokens
-The ratio is what makes a large cache cheap: a token of features costs 1/ratio of a generated one.
+The ratio is what makes a large cache cheap: a token of features costs 1/ratio of a generated one. With
+--stock-cache the same generation also runs on a stock transformers DynamicCache (concatenation each step) in place of
+the engine's slot cache (inference.engine.cache.SlotLayer), and the ratio between the two is printed.
 
     python scripts/bench_features.py --base smollm2 --data sharegpt_v3 [--dtype fp32] [--conversations 64]
+    python scripts/bench_features.py --base smollm2 --dtype fp32 --batch-size 32 --conversations 64 --stock-cache
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128, help="self-distill: tokens per answer")
     parser.add_argument("--batch-size", type=int, default=16, help="self-distill: answers per batch")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--stock-cache", action="store_true",
+                        help="self-distill again on a stock DynamicCache (concatenation) as a baseline for the slots")
     return parser.parse_args(argv)
 
 
@@ -67,7 +72,10 @@ def main(argv=None) -> None:
           file=sys.stderr, flush=True)
     taps = LayerTaps(target, [])
     collate = ChatCollator(tokenizer.pad_token_id)
-    rates: dict[str, list[float]] = {"features": [], "self-distill": []}
+    engines = {"self-distill": Engine(target, NoDrafter())}
+    if args.stock_cache:
+        engines["self-distill, stock cache"] = Engine(target, NoDrafter(), slot_cache=False)
+    rates: dict[str, list[float]] = {"features": [], **{name: [] for name in engines}}
     for r in range(args.rounds):
         pick = range(r * args.conversations, (r + 1) * args.conversations)
         samples = [train[i] for i in pick]
@@ -77,22 +85,26 @@ def main(argv=None) -> None:
             forward_features(target, collate([samples[i] for i in batch.samples]), taps, args.topk)
             tokens += batch.tokens
         rates["features"].append(tokens / (time.perf_counter() - start))
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "answers.jsonl"
-            config = SelfDistillConfig(max_new_tokens=args.new_tokens, batch_size=args.batch_size, max_turns=1,
-                                       chat_template=settings.chat_template)
-            start = time.perf_counter()
-            stats = self_distill(Engine(target, NoDrafter()), tokenizer,
-                                 [(f"c{i}", conversations[i]) for i in pick], out, config)
-            seconds = time.perf_counter() - start
-            generated = sum(len(tokenizer(line).input_ids) for line in _answers(out))
-        rates["self-distill"].append(generated / seconds)
-        print(f"round {r + 1}: features {rates['features'][-1]:,.0f} tok/s ({tokens:,} tokens), self-distill "
-              f"{rates['self-distill'][-1]:,.1f} tok/s ({generated:,} tokens, {stats.written} answers)",
-              file=sys.stderr, flush=True)
+        report = f"round {r + 1}: features {rates['features'][-1]:,.0f} tok/s ({tokens:,} tokens)"
+        for name, engine in list(engines.items())[:: 1 if r % 2 == 0 else -1]:  # alternating which goes first
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "answers.jsonl"
+                config = SelfDistillConfig(max_new_tokens=args.new_tokens, batch_size=args.batch_size, max_turns=1,
+                                           chat_template=settings.chat_template)
+                start = time.perf_counter()
+                stats = self_distill(engine, tokenizer, [(f"c{i}", conversations[i]) for i in pick], out, config)
+                seconds = time.perf_counter() - start
+                generated = sum(len(tokenizer(line).input_ids) for line in _answers(out))
+            rates[name].append(generated / seconds)
+            report += f", {name} {rates[name][-1]:,.1f} tok/s ({generated:,} tokens, {stats.written} answers)"
+        print(report, file=sys.stderr, flush=True)
     f, g = statistics.median(rates["features"]), statistics.median(rates["self-distill"])
     print(f"features {f:,.0f} tok/s, self-distill {g:,.1f} tok/s (medians of {args.rounds}): a cached token costs "
           f"1/{f / g:.1f} of a generated one")
+    if args.stock_cache:
+        stock = statistics.median(rates["self-distill, stock cache"])
+        print(f"self-distill on a stock DynamicCache {stock:,.1f} tok/s: the slot cache generates {g / stock:.2f}x as "
+              f"fast (batches of {args.batch_size})")
 
 
 def _answers(path: Path) -> list[str]:

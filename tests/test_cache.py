@@ -7,6 +7,8 @@ import torch
 
 from inference.engine.cache import additive, commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
 from inference.engine.tree import build_tree
+from tests.model_support import save_tiny_model
+from tests.test_early_exit import load_script
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
@@ -104,3 +106,70 @@ def test_cache_surgery_equals_recompute(tiny_lm, choices, ends):
         for layer, ref in zip(cache.layers, fresh.layers):  # kept slots equal the recomputed keys/values
             torch.testing.assert_close(layer.keys[row, :, : 6 + n], ref.keys[0, :, : 6 + n], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(layer.values[row, :, : 6 + n], ref.values[0, :, : 6 + n], atol=1e-5, rtol=1e-5)
+
+
+
+def forward(caches, batch: int, n: int, gen: torch.Generator) -> None:
+    """A forward's new keys/values [B, 2, n, 4] for two layers, the same into every cache."""
+    for layer in range(2):
+        keys, values = torch.randn(2, batch, 2, n, 4, generator=gen)
+        for cache in caches:
+            cache.update(keys, values, layer)
+
+
+@pytest.mark.parametrize("reserve", [0, 3, 200])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_slot_cache_equals_stock_dynamic_cache(reserve, batch):
+    """Slots hold exactly what stock concatenation holds after a prompt and steps of tree forwards, surgery and
+    crops, and a buffer is reallocated only when full, to twice its size (amortised)."""
+    slots, stock = new_cache(reserve=reserve), new_cache(slots=False)
+    gen = torch.Generator().manual_seed(reserve + batch)
+    forward((slots, stock), batch, 7, gen)
+    buffers = []
+    for step in range(30):
+        start, width = stock.get_seq_length(), 1 + step % 6  # a tree of `width` nodes
+        forward((slots, stock), batch, width, gen)
+        kept = 1 + int(torch.randint(width, (1,), generator=gen))
+        keep = torch.stack([torch.randperm(width, generator=gen)[:kept] for _ in range(batch)])
+        for cache in (slots, stock):
+            keep_nodes(cache, start, keep)
+            if step % 7 == 3:
+                cache.crop(-1)
+        buffers.append(slots.layers[0]._keys.data_ptr())
+        assert slots.get_seq_length() == stock.get_seq_length()
+        for a, b in zip(slots.layers, stock.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert a.keys.data_ptr() == a._keys.data_ptr()  # views of the buffer, not copies
+    grown = len(set(buffers))
+    assert grown == 1 if reserve == 200 else 1 < grown <= 4
+
+
+def test_slot_cache_adopts_keys_replaced_from_outside():
+    """A cache whose keys were replaced (transformers' batch reorder, beam search) copies them into a new buffer."""
+    slots, stock = new_cache(reserve=8), new_cache(slots=False)
+    gen = torch.Generator().manual_seed(0)
+    forward((slots, stock), 3, 5, gen)
+    for cache in (slots, stock):
+        cache.batch_select_indices(torch.tensor([2, 0]))
+    forward((slots, stock), 2, 2, gen)
+    for a, b in zip(slots.layers, stock.layers):
+        assert torch.equal(a.keys, b.keys) and a.keys.shape == (2, 2, 7, 4)
+
+
+def test_the_cache_benchmark_times_both_caches_on_one_decode(tmp_path, capsys):
+    """scripts/bench_kv_cache.py on a tiny target: a table row per shape with both caches' step times and their
+    ratio, and both caches decoding the same tokens; a bad --shapes is one line and exit 2 before a model loads."""
+    script = load_script("bench_kv_cache")
+    base = save_tiny_model(tmp_path / "target")
+    assert script.main(["--base", str(base), "--dtype", "fp32", "--shapes", "2x16,1x40", "--steps", "2",
+                        "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    for shape in ("2 x 16", "1 x 40"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {shape} |"))
+        slots, stock, ratio = (float(cell) for cell in row.strip("| ").split(" | ")[1:])
+        assert slots > 0 and stock > 0  # printed to 0.1 ms, the ratio to 0.01 from the unrounded times:
+        assert (stock - 0.05) / (slots + 0.05) - 0.005 <= ratio <= (stock + 0.05) / (slots - 0.05) + 0.005
+    assert "decoded differently" not in out
+    assert script.main(["--base", str(tmp_path / "missing"), "--shapes", "2xten"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --shapes: comma-separated ROWSxTOKENS (e.g. 32x1024), got '2xten'"

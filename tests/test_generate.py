@@ -364,3 +364,21 @@ def test_phase_timers_synchronise_cuda_at_both_ends(tiny_lm_factory, monkeypatch
     phases_per_step = 5  # draft, forward, verify, cache, drafter update
     assert out.stats.steps > 0
     assert len(calls) == 2 * (1 + phases_per_step * out.stats.steps)
+
+
+def test_slot_cache_decodes_as_the_stock_cache(tiny_lm, monkeypatch):
+    """The engine's slot cache against stock DynamicCache concatenation: the same tokens and acceptance, batched and
+    left-padded with a tree drafter, with the reserve cut to nothing so that the buffers regrow mid-generation."""
+    import inference.engine.loop as loop  # deferred: the module whose constant this test patches
+
+    monkeypatch.setattr(loop, "TREE_SLOTS", 0)
+    prompts = random_prompts(7, 3, low=2, high=8)
+    references = [plain_greedy(tiny_lm, p, 30) for p in prompts]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    tree = load_tree(None, num_heads=3, topk=10)
+    runs = [generate(tiny_lm, ids, OracleDrafter(tree, references, 0.7, seed=3),
+                     DecodeConfig(max_new_tokens=24, slot_cache=slots), attention_mask=mask) for slots in (True, False)]
+    assert runs[0].sequences == runs[1].sequences == [r[:24] for r in references]
+    assert runs[0].stats.accepted == runs[1].stats.accepted

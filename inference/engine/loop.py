@@ -3,15 +3,17 @@
 Dimension letters: B batch, T prompt length, S cached slots, K tree nodes, V vocab, D hidden.
 
 One target forward per step runs the whole draft tree (tree attention through a 4-D additive mask, explicit
-position ids, a stock DynamicCache) and yields the logits of every node. A step commits the accepted drafts plus
-the target's own next token, so it always makes progress; with `NoDrafter` it is plain autoregressive decoding.
+position ids, a stock DynamicCache writing into preallocated slots) and yields the logits of every node. A step
+commits the accepted drafts plus the target's own next token, so it always makes progress; with `NoDrafter` it is
+plain autoregressive decoding.
 Lossless: with acceptance="exact" the output equals (greedy) or is distributed as (sampling) decoding the target
 alone with the same `SamplingParams`. acceptance="typical" is lossy. "Equals" is up to floating point: a K-node
 forward may round differently from a one-token forward, which can flip a near-tied argmax (rare in fp32, less rare
 in bf16), exactly as batching does in plain decoding. On the CPU, the loop runs a bf16 model's few-row linears through
 the engine's own kernel (inference.kernels.cpu_linear; `DecodeConfig.cpu_kernel=False` keeps stock PyTorch), which
 rounds like stock up to summation order: the same kind of difference. Masked forwards of a grouped-query model on the
-CPU skip stock sdpa's key/value copy (inference.kernels.attention; bit-identical outputs).
+CPU skip stock sdpa's key/value copy (inference.kernels.attention; bit-identical outputs). The cache's layers write
+new keys/values into preallocated slots instead of concatenating (inference.engine.cache.SlotLayer; the same values).
 
 Devices (a target split by `device_map`, see inference.engine.devices): the loop's state, the drafts and the masks live
 on the input embeddings' device; the cache layers stay on their own layers' devices; logits are turned into tokens
@@ -38,6 +40,7 @@ from inference.kernels.attention import gqa_attention
 from inference.kernels.cpu_linear import fast_linears
 
 ACCEPTANCE = ("exact", "typical")
+TREE_SLOTS = 64  # cache slots reserved beyond the prompt and max_new_tokens for a step's tree (a wider one regrows)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class DecodeConfig:
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # generation stops after any of these id sequences
     cpu_kernel: bool = True  # few-row bf16 CPU linears through inference.kernels.cpu_linear (stock where unsupported)
     gqa_attention: bool = True  # masked CPU sdpa without repeat_kv (inference.kernels.attention; same outputs as stock)
+    slot_cache: bool = True  # the target's KV cache in preallocated slots (inference.engine.cache.SlotLayer); False:
+    # stock DynamicCache concatenation (the same values; a baseline for benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -152,7 +157,7 @@ def prefill(
     states a feature drafter reads, kept for every prompt position in `state.features`."""
     dtype = model.get_input_embeddings().weight.dtype
     mask, positions = prefill_inputs(pad_mask, dtype)
-    cache = new_cache()
+    cache = new_cache(reserve=config.max_new_tokens + TREE_SLOTS, slots=config.slot_cache)
     out = model(
         input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
         logits_to_keep=1, **hidden_request(needs_hidden, layers),
