@@ -9,11 +9,13 @@ Sources (`source`, a path):
                                                                  features job writes to <cache>/self_distill/
 The target's own answers make the best datastore (docs/eagle3.md): a feature cache made with data.self_distill=true
 already holds them. `check_source` checks what it can without a tokenizer; every error is one line naming the source
-(and the file and record where a record is bad).
+(and the file and record where a record is bad). A ShareGPT source is parsed once per process while its files stay
+unchanged: the command line checks it, `load` checks it again and then encodes it, all from one parse.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -46,11 +48,30 @@ def check_source(source: str | Path) -> None:
         answer_texts(path)
 
 
-def answer_texts(source: str | Path) -> list[str]:
-    """Every non-empty assistant turn of a ShareGPT-format source, in order."""
+def answer_texts(source: str | Path) -> tuple[str, ...]:
+    """Every non-empty assistant turn of a ShareGPT-format source, in order; the last source's parse is kept and
+    reused while no file under it changes (size or modification time)."""
+    path = Path(source).expanduser()
+    return _parsed_answers(str(source), path.resolve(), file_signature(path))
+
+
+def file_signature(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """(relative name, size, mtime in ns) of `path`, or of every file under a folder."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return tuple((str(f.relative_to(path)) if f != path else "", *_size_mtime(f)) for f in files)
+
+
+def _size_mtime(file: Path) -> tuple[int, int]:
+    stat = file.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@lru_cache(maxsize=1)
+def _parsed_answers(source: str, resolved: Path, signature: tuple) -> tuple[str, ...]:
+    """answer_texts' parse, cached by `source` as given, its resolved path and its files' signature."""
     read = read_conversations(Path(source).expanduser(), "sharegpt", on_error="raise")
-    texts = [m["content"] for conversation in read.conversations for m in conversation
-             if m["role"] == "assistant" and m["content"].strip()]
+    texts = tuple(m["content"] for conversation in read.conversations for m in conversation
+                  if m["role"] == "assistant" and m["content"].strip())
     if not texts:
         raise DataError(f"{source}: no assistant turn to copy from")
     return texts

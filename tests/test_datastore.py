@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+import data.datastore as data_datastore
 import inference.api as api
+from data.datastore import answer_texts, check_source
 from data.errors import UsageError
 from inference.api import load
 from inference.drafters.datastore import Datastore, load_datastore
@@ -195,6 +198,21 @@ def test_load_reads_the_datastore_before_the_model_and_decodes_exactly(tmp_path,
     with pytest.raises(UsageError, match=r"^datastore=.*bad\.jsonl:2: "):
         load("prompt_lookup", base=str(target), dtype="fp32", datastore=bad)
 
+
+
+def test_a_text_source_is_parsed_once_for_check_load_and_encoding(tmp_path, monkeypatch):
+    """The command line checks a ShareGPT source, `load` checks it again and encodes it: one parse while the file
+    is unchanged; an edited file is read again."""
+    target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
+    source = sharegpt_file(tmp_path, [chat("hi", "hello world, hello there!")])
+    calls = []
+    real = data_datastore.read_conversations
+    monkeypatch.setattr(data_datastore, "read_conversations", lambda *a, **k: calls.append(a) or real(*a, **k))
+    check_source(source)
+    engine = load("prompt_lookup", base=str(target), dtype="fp32", datastore=source)
+    assert len(calls) == 1 and engine.drafter.datastore.num_documents == 1
+    Path(source).write_text(Path(source).read_text() + json.dumps(chat("who?", "me, again")) + "\n")
+    assert answer_texts(source) == ("hello world, hello there!", "me, again") and len(calls) == 2
 
 @pytest.mark.parametrize("num_draft", [3, 6])
 def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft):
