@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from data.errors import UsageError  # noqa: E402
 from inference.bench.bandwidth import cpu_name  # noqa: E402
 from inference.engine.cache import new_cache  # noqa: E402
+from inference.engine.devices import cuda_sync  # noqa: E402
 from inference.engine.drafter import DecodeState, NoDrafter  # noqa: E402
 from inference.engine.loop import DecodeConfig, accept, forward_tree, prefill, verify  # noqa: E402
 from inference.kernels.attention import gqa_attention  # noqa: E402
@@ -65,13 +66,16 @@ def stock_copy(state: DecodeState) -> DecodeState:
 
 
 def time_steps(model: torch.nn.Module, state: DecodeState, config: DecodeConfig, steps: int) -> float:
-    """Median seconds of `steps` plain decode steps (draft the root, forward, verify, accept), advancing `state`."""
-    drafter, seconds = NoDrafter(), []
+    """Median seconds of `steps` plain decode steps (draft the root, forward, verify, accept), advancing `state`
+    (on a GPU, each timed to the end of its kernels)."""
+    drafter, seconds, sync = NoDrafter(), [], cuda_sync(model) or (lambda: None)
     for _ in range(steps):
+        sync()
         start = time.perf_counter()
         draft = drafter.propose(state)
         logits, hidden = forward_tree(model, state, draft, needs_hidden=False)
         accept(state, verify(draft, logits, config, None), hidden)
+        sync()
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
 
