@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.engine.cache import additive, commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.engine.cache import (FIRST_SLOTS, additive, commit_slots, keep_nodes, new_cache, prefill_inputs,
+                                    tree_inputs)
 from inference.engine.tree import build_tree
 from tests.model_support import save_tiny_model
 from tests.test_early_exit import load_script
@@ -117,13 +118,14 @@ def forward(caches, batch: int, n: int, gen: torch.Generator) -> None:
             cache.update(keys, values, layer)
 
 
-@pytest.mark.parametrize("reserve", [0, 3, 200])
+@pytest.mark.parametrize("reserve", [0, 3, 200, None])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_slot_cache_equals_stock_dynamic_cache(reserve, batch):
     """Slots hold exactly what stock concatenation holds after a prompt and steps of tree forwards, surgery and
-    crops, and a buffer is reallocated only when full, to twice its size (amortised)."""
+    crops. A buffer is reallocated only when full, to twice its size (amortised); a bound the cache outgrows is
+    left behind the same way."""
     slots, stock = new_cache(reserve=reserve), new_cache(slots=False)
-    gen = torch.Generator().manual_seed(reserve + batch)
+    gen = torch.Generator().manual_seed((reserve or 1) + batch)
     forward((slots, stock), batch, 7, gen)
     buffers = []
     for step in range(30):
@@ -141,7 +143,21 @@ def test_slot_cache_equals_stock_dynamic_cache(reserve, batch):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
             assert a.keys.data_ptr() == a._keys.data_ptr()  # views of the buffer, not copies
     grown = len(set(buffers))
-    assert grown == 1 if reserve == 200 else 1 < grown <= 4
+    assert grown == 1 if reserve in (200, None) else 1 < grown <= 6  # 7 or 10 slots doubled past ~100
+
+
+def test_slot_buffers_stay_within_the_reserve_given():
+    """The first buffer keeps FIRST_SLOTS free slots, or fewer when the caller's bound says fewer will come; growth
+    stops at the bound: a long max_new_tokens reserves nothing it does not reach."""
+    gen = torch.Generator().manual_seed(0)
+    for reserve, first in ((10_000, 5 + FIRST_SLOTS), (20, 25), (None, 5 + FIRST_SLOTS)):
+        cache = new_cache(reserve=reserve)
+        forward((cache,), 1, 5, gen)
+        assert cache.layers[0]._keys.shape[2] == first
+    cache = new_cache(reserve=300)  # bound 305: 261 slots first, then the bound instead of 522
+    forward((cache,), 1, 5, gen)
+    forward((cache,), 1, 260, gen)
+    assert cache.layers[0]._keys.shape[2] == 305 and cache.get_seq_length() == 265
 
 
 def test_slot_cache_adopts_keys_replaced_from_outside():

@@ -20,8 +20,11 @@ every layer's keys/values stay on that layer's device; the gather index is copie
 Slots: a stock DynamicLayer appends by `torch.cat`, which copies the layer's whole cache every forward: noise for one
 short row, but it grows with B x S. `SlotLayer` keeps a buffer of `capacity` slots per layer and hands the model views
 of its first S slots: an update copies only the new keys/values, `crop` shortens the view, `keep_nodes` writes through
-it. A full buffer grows to twice its size (one copy, amortised). `new_cache(reserve)` sizes the first buffer at the
-prompt plus `reserve` slots, so a generation that reserves max_new_tokens and a tree's width never copies the cache.
+it. The first buffer holds the first forward plus up to FIRST_SLOTS more; a full buffer grows to twice its size (one
+copy, amortised), never past the bound the caller gives (`new_cache(reserve)`: the most slots ever added after the
+first forward; the loop's is max_new_tokens plus a tree's width) unless the cache outgrows it. So a short generation
+reserves little, a long one copies its cache a few times, and a buffer holds at most twice its entries plus
+FIRST_SLOTS.
 SmolLM2-135M, fp32, 2 CPU cores (AMD EPYC, AVX2), a plain decode step (`scripts/bench_kv_cache.py`): 1 x 256 cached
 tokens 58.6 ms against 59.1 stock, 32 x 256 185 against 221 (1.20x), 32 x 1024 306 against 414 (1.35x), 4 x 2048 135
 against 165 (1.22x).
@@ -39,14 +42,19 @@ from transformers.cache_utils import DynamicLayer
 from inference.engine.tree import TreeBuffers
 
 
+FIRST_SLOTS = 256  # free slots a layer's first buffer keeps after its first forward (at most `reserve`)
+
+
 class SlotLayer(DynamicLayer):
     """A DynamicLayer whose keys/values [B, G, S, Dh] are views of the first S slots of a buffer [B, G, capacity, Dh]:
     `update` writes the new entries in place instead of concatenating. Everything else (crop, get_seq_length, the
-    masks' sizes) is DynamicLayer's, reading the views."""
+    masks' sizes) is DynamicLayer's, reading the views. `reserve`: the most slots added after the first forward
+    (None: unknown), which bounds the buffer's growth."""
 
-    def __init__(self, reserve: int = 0) -> None:
+    def __init__(self, reserve: int | None = None) -> None:
         super().__init__()
-        self.reserve = reserve  # free slots the first buffer keeps after the entries it is made for
+        self.reserve = reserve
+        self.limit: int | None = None  # the first forward's length + reserve, set by the first update
         self._keys: torch.Tensor | None = None  # the buffers
         self._values: torch.Tensor | None = None
 
@@ -54,13 +62,23 @@ class SlotLayer(DynamicLayer):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+            self.limit = None if self.reserve is None else key_states.shape[-2] + self.reserve
         s, n = self.get_seq_length(), key_states.shape[-2]
         if not self._holds(key_states, s + n):
-            self._grow(key_states, value_states, s, s + n)
+            self._grow(key_states, value_states, s, self.capacity(s + n))
         self._keys[:, :, s : s + n].copy_(key_states)
         self._values[:, :, s : s + n].copy_(value_states)
         self.keys, self.values = self._keys[:, :, : s + n], self._values[:, :, : s + n]
         return self.keys, self.values
+
+    def capacity(self, length: int) -> int:
+        """Slots of the next buffer for `length` entries: the first forward's plus FIRST_SLOTS, else twice the
+        current buffer; at most `limit` while `length` is within it."""
+        old = 0 if self._keys is None else self._keys.shape[2]
+        grown = length + FIRST_SLOTS if old == 0 else 2 * old
+        if self.limit is not None and length <= self.limit:
+            grown = min(grown, self.limit)
+        return max(length, grown)
 
     def _holds(self, new: torch.Tensor, length: int) -> bool:
         """The buffer exists, still backs `keys` (nothing replaced them, e.g. a batch reorder), matches the new
@@ -69,10 +87,8 @@ class SlotLayer(DynamicLayer):
             return False
         return self.keys.numel() == 0 or self.keys.data_ptr() == self._keys.data_ptr()
 
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, s: int, length: int) -> None:
-        """New buffers of max(length + reserve, twice the old capacity) slots holding the S cached entries."""
-        old = 0 if self._keys is None else self._keys.shape[2]
-        capacity = max(length + self.reserve, 2 * old)
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, s: int, capacity: int) -> None:
+        """New buffers of `capacity` slots holding the S cached entries."""
         b, g, _, dk = key_states.shape
         keys = key_states.new_empty(b, g, capacity, dk)
         values = value_states.new_empty(b, value_states.shape[1], capacity, value_states.shape[-1])
@@ -83,13 +99,14 @@ class SlotLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._keys = self._values = None
+        self.limit = None
         super().reset()
 
 
-def new_cache(reserve: int = 0, slots: bool = True) -> DynamicCache:
-    """An empty full-attention cache whose layers write into preallocated slots (`SlotLayer`), the first buffer
-    `reserve` slots longer than the first forward; slots=False: stock DynamicLayers (concatenation). Built without
-    the model config on purpose: sliding-window layers would drop slots and break the slot indexing used here
+def new_cache(reserve: int | None = None, slots: bool = True) -> DynamicCache:
+    """An empty full-attention cache whose layers write into preallocated slots (`SlotLayer`; `reserve`: the most
+    slots added after the first forward, None when unknown); slots=False: stock DynamicLayers (concatenation). Built
+    without the model config on purpose: sliding-window layers would drop slots and break the slot indexing used here
     (callers reject sequences longer than a model's window)."""
     cache = DynamicCache()
     if slots:
