@@ -5,12 +5,14 @@ Both on the same conversations of a data recipe, with the same target, in one ru
                 `python -m train features` runs per batch): tokens/s of conversation tokens
   self-distill  the engine's batched greedy generation of the first assistant turn (what data.self_distill runs,
                 inference.collect.self_distill): tokens/s of generated tokens
-The ratio is what makes a large cache cheap: a token of features costs 1/ratio of a generated one. With
---stock-cache the same generation also runs on a stock transformers DynamicCache (concatenation each step) in place of
-the engine's slot cache (inference.engine.cache.SlotLayer), and the ratio between the two is printed.
+The ratio is what makes a large cache cheap: a token of features costs 1/ratio of a generated one. --baselines
+runs the same generation again without one of the engine's batch savings, and prints each one's ratio to the
+engine as it serves:
+  stock-cache   a stock transformers DynamicCache (concatenation each step) in place of the engine's slot cache
+                (inference.engine.cache.SlotLayer)
 
     python scripts/bench_features.py --base smollm2 --data sharegpt_v3 [--dtype fp32] [--conversations 64]
-    python scripts/bench_features.py --base smollm2 --dtype fp32 --batch-size 32 --conversations 64 --stock-cache
+    python scripts/bench_features.py --base smollm2 --dtype fp32 --batch-size 32 --baselines stock-cache
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from models.refs import model_settings  # noqa: E402
 from train.features import LayerTaps, forward_features, plan_shards  # noqa: E402
 
 
+BASELINES = {"stock-cache": {"slot_cache": False}}  # name -> the Engine settings it changes
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="smollm2", help="conf/model name, builtin:<name>, directory or hub id")
@@ -50,9 +55,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128, help="self-distill: tokens per answer")
     parser.add_argument("--batch-size", type=int, default=16, help="self-distill: answers per batch")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--stock-cache", action="store_true",
-                        help="self-distill again on a stock DynamicCache (concatenation) as a baseline for the slots")
-    return parser.parse_args(argv)
+    parser.add_argument("--baselines", default="",
+                        help=f"comma list of {', '.join(BASELINES)}: self-distill again without that saving")
+    args = parser.parse_args(argv)
+    args.baselines = [name for name in args.baselines.split(",") if name]
+    unknown = [name for name in args.baselines if name not in BASELINES]
+    if unknown:
+        parser.error(f"--baselines: unknown {', '.join(unknown)} (known: {', '.join(BASELINES)})")
+    return args
 
 
 def main(argv=None) -> None:
@@ -73,8 +83,8 @@ def main(argv=None) -> None:
     taps = LayerTaps(target, [])
     collate = ChatCollator(tokenizer.pad_token_id)
     engines = {"self-distill": Engine(target, NoDrafter())}
-    if args.stock_cache:
-        engines["self-distill, stock cache"] = Engine(target, NoDrafter(), slot_cache=False)
+    for name in args.baselines:
+        engines[f"self-distill, {name}"] = Engine(target, NoDrafter(), **BASELINES[name])
     rates: dict[str, list[float]] = {"features": [], **{name: [] for name in engines}}
     for r in range(args.rounds):
         pick = range(r * args.conversations, (r + 1) * args.conversations)
@@ -101,10 +111,10 @@ def main(argv=None) -> None:
     f, g = statistics.median(rates["features"]), statistics.median(rates["self-distill"])
     print(f"features {f:,.0f} tok/s, self-distill {g:,.1f} tok/s (medians of {args.rounds}): a cached token costs "
           f"1/{f / g:.1f} of a generated one")
-    if args.stock_cache:
-        stock = statistics.median(rates["self-distill, stock cache"])
-        print(f"self-distill on a stock DynamicCache {stock:,.1f} tok/s: the slot cache generates {g / stock:.2f}x as "
-              f"fast (batches of {args.batch_size})")
+    for name in args.baselines:
+        rate = statistics.median(rates[f"self-distill, {name}"])
+        print(f"self-distill, {name}: {rate:,.1f} tok/s; the engine as it serves generates {g / rate:.2f}x as fast "
+              f"(batches of {args.batch_size})")
 
 
 def _answers(path: Path) -> list[str]:

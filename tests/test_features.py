@@ -22,6 +22,7 @@ from models.backbone import final_hidden
 from models.loading import load_target
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.model_support import save_tiny_model
+from tests.test_early_exit import load_script
 from train.distributed import free_port
 from train.features import check_disk, plan_shards
 from train.medusa1 import CachedSoftLabels, medusa_loss
@@ -453,3 +454,14 @@ def test_an_unknown_experiment_is_one_line(tmp_path):
     with pytest.raises(UsageError, match=r"^unknown experiment 'nope'; available: selfdistill_eagle3, selfdistill_features, "
                        r"sharegpt_eagle3, sharegpt_features, sharegpt_medusa1"):
         check_overrides(["method=medusa1", "+model=tiny", "+experiment=nope", f"output_dir={tmp_path}"])
+
+
+def test_the_features_benchmark_names_its_baselines(capsys):
+    """scripts/bench_features.py --baselines: known names parse; an unknown one is one line, exit 2."""
+    script = load_script("bench_features")
+    assert script.parse_args(["--baselines", "stock-cache"]).baselines == ["stock-cache"]
+    assert script.parse_args([]).baselines == []
+    with pytest.raises(SystemExit) as err:
+        script.parse_args(["--baselines", "stock-cache,fast"])
+    assert err.value.code == 2
+    assert "--baselines: unknown fast (known: stock-cache)" in capsys.readouterr().err
