@@ -14,6 +14,7 @@ from inference.engine.loop import DecodeConfig, generate, stop_index
 from inference.engine.tree import TreeBuffers, build_tree, load_tree
 from inference.engine.verify import SamplingParams, VerifyResult, target_probs
 from models.medusa import MedusaConfig, MedusaHeads
+from tests.test_draft_model import left_pad
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 128
@@ -149,9 +150,7 @@ def test_medusa_candidates_are_the_heads_top_k(tiny_lm_factory, shared):
 def test_batched_left_padded_greedy_equals_per_row(tiny_lm):
     prompts = random_prompts(4, 5, low=1, high=9)
     references = [plain_greedy(tiny_lm, p, 18) for p in prompts]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_pad(prompts)
     tree = load_tree(None, num_heads=3, topk=10)
     for drafter in (OracleDrafter(tree, references, hit_rate=0.7, seed=5), NoDrafter()):
         out = generate(tiny_lm, ids, drafter, DecodeConfig(max_new_tokens=14), attention_mask=mask)
@@ -374,9 +373,7 @@ def test_slot_cache_decodes_as_the_stock_cache(tiny_lm, monkeypatch):
     monkeypatch.setattr(loop, "TREE_SLOTS", 0)
     prompts = random_prompts(7, 3, low=2, high=8)
     references = [plain_greedy(tiny_lm, p, 30) for p in prompts]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_pad(prompts)
     tree = load_tree(None, num_heads=3, topk=10)
     runs = [generate(tiny_lm, ids, OracleDrafter(tree, references, 0.7, seed=3),
                      DecodeConfig(max_new_tokens=24, slot_cache=slots), attention_mask=mask) for slots in (True, False)]
