@@ -49,7 +49,7 @@ def accepted(chains: list[list[int]], max_nodes: int, answer: list[int]) -> int:
 
 def walk(prompt: list[int], answer: list[int], draft: "Drafts", max_nodes: int) -> tuple[int, int]:
     """(answer tokens, target forwards) replaying `answer`; `draft(index)` gives the chains of a step."""
-    index = NgramIndex(max_n=3)
+    index = draft.lookup.new_index()  # the drafter's own n-gram sizes
     index.extend(prompt + answer[:1])  # the prefill's forward commits the first token
     done, forwards = 1, 1
     while done < len(answer):

@@ -92,11 +92,14 @@ class PromptLookupDrafter:
         without a match; starts the run's state on the first step."""
         if state.drafter_state is None:  # first step of a generation
             prompts = row_prompts(state)
-            state.drafter_state = LookupRun([NgramIndex(self.max_ngram, self.min_ngram) for _ in prompts],
-                                            [len(p) for p in prompts])
+            state.drafter_state = LookupRun([self.new_index() for _ in prompts], [len(p) for p in prompts])
             for index, prompt, tokens in zip(state.drafter_state.rows, prompts, state.generated):
                 index.extend(prompt + tokens)
         return [self.row_chains(index) for index in state.drafter_state.rows]
+
+    def new_index(self) -> NgramIndex:
+        """An empty index of one row's text, with this drafter's n-gram sizes."""
+        return NgramIndex(self.max_ngram, self.min_ngram)
 
     def row_chains(self, index: NgramIndex) -> list[list[int]]:
         """One row's chains (its index holds the row's prompt and committed tokens): its own text's, then the
