@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
 from inference.bench.bandwidth import cpu_name  # noqa: E402
+from inference.bench.run import still_running  # noqa: E402
 from inference.engine.cache import new_cache  # noqa: E402
 from inference.engine.devices import cuda_sync  # noqa: E402
 from inference.engine.drafter import DecodeState, NoDrafter  # noqa: E402
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         for b, t in shapes:
             print(f"{b}x{t}: prefilling {b * t:,} tokens", flush=True)
             ids = torch.randint(1, vocab, (b, t), generator=torch.Generator().manual_seed(b * t)).to(device)
-            slots = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), config, False, None)
+            with still_running(f"{b}x{t}: prefill", interval=5.0):
+                slots = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), config, False, None)
             states = {"slots": slots, "stock": stock_copy(slots)}
             times: dict[str, list[float]] = {"slots": [], "stock": []}
             for round_ in range(args.rounds):

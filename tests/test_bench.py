@@ -23,7 +23,7 @@ from inference.bench.bandwidth import copy_bandwidth, cpu_name, weight_bytes
 from inference.bench.greedy_ties import Fp64Judge, TieVerdict
 from inference.bench.methods import EngineRunner, ForwardCounter, HFRunner, Sampling, assisted_settings, pld_defaults
 from inference.bench.prompt_sets import DATA_ENV, HUMANEVAL_TURN, load_questions
-from inference.bench.run import add_bench_args, answer, command_line, progress_bar
+from inference.bench.run import add_bench_args, answer, command_line, progress_bar, still_running
 from inference.bench.stats import (SHOWN_DIVERGENCES, Answer, TurnResult, bandwidth_floor, format_table, greedy_check,
                                    summarize)
 from inference.cli import UsageError, main
@@ -329,6 +329,25 @@ def test_progress_on_a_log_beats_while_an_answer_runs_and_stops_when_closed(caps
     while any(t.name == "bench-suite-progress" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(t.name == "bench-suite-progress" for t in threading.enumerate())
+
+
+
+def test_still_running_beats_during_one_long_call_and_stops_after_it(capsys):
+    """One silent call (a batch's prefill) inside `still_running` gives a line every interval, naming it; the thread
+    ends with the block, also when the block raises."""
+    err, deadline = "", time.monotonic() + 10
+    with still_running("32x1024: prefill", interval=0.05):
+        while err.count("32x1024: prefill: ") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            err += capsys.readouterr().err
+    assert re.search(r"^32x1024: prefill: \d+ s elapsed$", err, re.M), err
+    with pytest.raises(RuntimeError), still_running("failing", interval=0.05):
+        raise RuntimeError("boom")
+    names = {"32x1024: prefill-progress", "failing-progress"}
+    deadline = time.monotonic() + 5
+    while any(t.name in names for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name in names for t in threading.enumerate())
 
 
 # --- the command

@@ -40,8 +40,9 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -278,6 +279,24 @@ def progress_bar(total: int, desc: str, interval: float = PROGRESS_INTERVAL_S) -
                bar_format="{desc}: {n_fmt}/{total_fmt} {unit}s, {elapsed} elapsed, ETA {remaining}{postfix}")
     threading.Thread(target=_heartbeat, args=(bar, interval), name=f"{desc}-progress", daemon=True).start()
     return bar
+
+
+@contextmanager
+def still_running(label: str, interval: float = PROGRESS_INTERVAL_S) -> Iterator[None]:
+    """Within the block, a line "<label>: 20 s elapsed" on stderr every `interval` seconds: one long call (a batch's
+    prefill) otherwise prints nothing for minutes."""
+    finished = threading.Event()
+    start = time.perf_counter()
+
+    def beat() -> None:
+        while not finished.wait(interval):
+            print(f"{label}: {time.perf_counter() - start:.0f} s elapsed", file=sys.stderr, flush=True)
+
+    threading.Thread(target=beat, name=f"{label}-progress", daemon=True).start()
+    try:
+        yield
+    finally:
+        finished.set()
 
 
 def _heartbeat(bar: tqdm, interval: float) -> None:
