@@ -24,6 +24,8 @@ from data.errors import DataError
 from data.features import MANIFEST, FeatureDataset, check_cache
 from data.readers import read_conversations
 
+PARSES_KEPT = 4  # text sources whose parsed answers stay in memory (a walk may compare several)
+
 
 def is_feature_cache(source: str | Path) -> bool:
     return (Path(source) / MANIFEST).is_file()
@@ -49,8 +51,9 @@ def check_source(source: str | Path) -> None:
 
 
 def answer_texts(source: str | Path) -> tuple[str, ...]:
-    """Every non-empty assistant turn of a ShareGPT-format source, in order; the last source's parse is kept and
-    reused while no file under it changes (size or modification time)."""
+    """Every non-empty assistant turn of a ShareGPT-format source, in order; the last PARSES_KEPT sources' parses are
+    kept and reused while no file under them changes (size or modification time): a source is checked on the command
+    line, then read to be encoded, and a walk over several sources checks them all before it reads any."""
     path = Path(source).expanduser()
     return _parsed_answers(str(source), path.resolve(), file_signature(path))
 
@@ -66,7 +69,7 @@ def _size_mtime(file: Path) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=PARSES_KEPT)
 def _parsed_answers(source: str, resolved: Path, signature: tuple) -> tuple[str, ...]:
     """answer_texts' parse, cached by `source` as given, its resolved path and its files' signature."""
     read = read_conversations(Path(source).expanduser(), "sharegpt", on_error="raise")

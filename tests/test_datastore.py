@@ -214,6 +214,19 @@ def test_a_text_source_is_parsed_once_for_check_load_and_encoding(tmp_path, monk
     Path(source).write_text(Path(source).read_text() + json.dumps(chat("who?", "me, again")) + "\n")
     assert answer_texts(source) == ("hello world, hello there!", "me, again") and len(calls) == 2
 
+
+def test_several_text_sources_checked_first_are_each_parsed_once(tmp_path, monkeypatch):
+    """A walk over several sources checks them all, then reads each: one parse per source."""
+    sources = [sharegpt_file(tmp_path, [chat("hi", f"answer {i}")], name=f"s{i}.jsonl") for i in range(3)]
+    calls = []
+    real = data_datastore.read_conversations
+    monkeypatch.setattr(data_datastore, "read_conversations", lambda *a, **k: calls.append(a) or real(*a, **k))
+    for source in sources:
+        check_source(source)
+    assert [answer_texts(source) for source in sources] == [(f"answer {i}",) for i in range(3)]
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("num_draft", [3, 6])
 def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft):
     """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
