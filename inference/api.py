@@ -271,6 +271,7 @@ def load(
     chat_template: str | None = None,
     lookup: int | None = None,
     datastore: str | Path | None = None,
+    datastore_grow: int | None = None,
 ) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
@@ -297,11 +298,14 @@ def load(
     grafts a prompt-lookup chain of up to N tokens onto every tree the drafter proposes, verified in the same forward
     (inference.drafters.with_lookup). `datastore` (prompt_lookup, and EAGLE-3 and Medusa with `lookup`) also drafts
     the most frequent continuation from a corpus of the target's own text: a feature cache folder or a ShareGPT file
-    or folder of its answers (inference.drafters.datastore). Every argument is checked, and the tokenizer and the
-    datastore loaded, before the model loads."""
+    or folder of its answers (inference.drafters.datastore). `datastore_grow=N` (where `datastore` applies, with a
+    `datastore` or without one) adds every answer the engine serves to the datastore, keeping about the latest N
+    tokens of them, so later requests draft from earlier answers too (SuffixDecoding's global tree); each generation
+    stays exact, but how much a request gains then depends on what was served before it. Every argument is checked,
+    and the tokenizer and the datastore loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
     options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
-                          datastore=datastore)
+                          datastore=datastore, datastore_grow=datastore_grow)
     request.check(options, API)
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")

@@ -80,6 +80,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                    help="prompt_lookup, and EAGLE-3 and Medusa with --lookup: also draft the most frequent "
                         "continuation from the target's own text: a feature cache folder (its trained tokens) or a "
                         "ShareGPT file or folder of the target's answers")
+    p.add_argument("--datastore-grow", type=int, metavar="N",
+                   help="where --datastore applies, with it or without: add every answer served to the datastore, "
+                        "keeping about the latest N tokens of them, so later requests draft from earlier answers")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
                    help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
                         "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
@@ -140,7 +143,7 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
     options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab,
-                          lookup=args.lookup, datastore=args.datastore)
+                          lookup=args.lookup, datastore=args.datastore, datastore_grow=args.datastore_grow)
     request.check(options, CLI)
     base = model_settings(request.base).ref if request.base else None
     if isinstance(base, LocalRef):  # a base directory that is not there: its one line now, not after other models load
@@ -193,7 +196,7 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
             quantization=None if args.quantization == "none" else args.quantization,
             device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
             head_vocab=args.head_vocab, tokenizer=args.tokenizer, chat_template=args.chat_template,
-            lookup=args.lookup, datastore=args.datastore,
+            lookup=args.lookup, datastore=args.datastore, datastore_grow=args.datastore_grow,
         )
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)
     return Session(engine, engine.tokenizer, engine.chat_template, request.base, name, config, target)

@@ -4,6 +4,8 @@ target's greedy answers, no tree forward.
     python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self
     python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self --datastore answers.jsonl \
         --num-draft 8,16 --questions self_instruct:16:spread
+    python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self --datastore-grow 1000000 \
+        --questions gsm8k:24:spread --orders 5
 
 Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
 engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
@@ -11,12 +13,17 @@ so far (`PromptLookupDrafter.row_chains`: the request's own chain and the datast
 at most N nodes after the root, taking turns a level at a time), accepts the longest drafted path that the answer
 continues, plus the target's own next token. τ = answer tokens / target forwards (the prefill included), the engine's
 greedy τ for those drafters exactly.
-Rows: prompt lookup alone, each datastore alone, prompt lookup with each datastore; at each N of --num-draft.
+Rows: prompt lookup alone, each datastore alone, prompt lookup with each datastore; at each N of --num-draft. With
+--datastore-grow, also prompt lookup with a datastore that grows while serving (each answer joins it once replayed,
+as `load(..., datastore_grow=N)` does), from nothing and from each datastore: τ in the questions' order, and the mean
+and range over --orders shuffles of them (what a request gains then depends on what was served before it).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -66,6 +73,10 @@ class Drafts:
         self.lookup = PromptLookupDrafter(num_draft=num_draft, datastore=store)
         self.store, self.own = store, own
 
+    def served(self, answer: list[int]) -> None:
+        """The answer replayed joins a growing datastore, as the engine's `finish` adds it (no-op otherwise)."""
+        self.lookup.finish([answer])
+
     def __call__(self, index: NgramIndex) -> list[list[int]]:
         if self.own:
             return self.lookup.row_chains(index)
@@ -81,6 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-draft", default="8", help="comma list of node budgets N (default 8)")
     p.add_argument("--questions", default="mt_bench:8:spread,gsm8k:4:spread,humaneval:4:spread",
                    help="bench prompt sets or a question file (first turns)")
+    p.add_argument("--datastore-grow", type=int, metavar="N",
+                   help="also walk with a datastore that grows with every answer (the latest N served tokens kept)")
+    p.add_argument("--orders", type=int, default=5, help="question orders (shuffles) a growing datastore is walked in")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffled orders")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--threads", type=int, default=None)
@@ -91,6 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--num-draft takes a comma list of whole numbers, got {args.num_draft!r}")
     if args.max_new_tokens < 1 or min(args.budgets) < 1:
         p.error("--max-new-tokens and --num-draft take positive numbers")
+    if (args.datastore_grow is not None and args.datastore_grow < 1) or args.orders < 1:
+        p.error("--datastore-grow and --orders take positive numbers")
     return args
 
 
@@ -107,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         questions, _ = load_questions(args.questions)
         engine = load(None, base=args.base, dtype=args.dtype)
         stores = {path: load_datastore(path, engine.tokenizer, label="--datastore") for path in args.datastore}
+        grow = {} if args.datastore_grow is None else {
+            path: load_datastore(path, engine.tokenizer, label="--datastore", max_served=args.datastore_grow)
+            for path in [None, *args.datastore]}
     except (UsageError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -117,18 +137,33 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("prompt lookup", None, True)]
     rows += [(f"datastore {path}", store, False) for path, store in stores.items()]
     rows += [(f"prompt lookup + {path}", store, True) for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path or 'nothing'}, growing", store, True) for path, store in grow.items()]
+    shuffles = [random.Random(args.seed + i).sample(cases, len(cases)) for i in range(args.orders)]
     total = sum(len(answer) for _, answer in cases)
     print(f"{len(cases)} prompts (--questions {args.questions}), {total} answer tokens, greedy, {args.dtype}")
-    print(f"{'drafter':60}{'nodes':>7}{'walk τ':>9}")
+    print(f"{'drafter':60}{'nodes':>7}{'walk τ':>9}   growing: mean [min, max] over {args.orders} shuffles")
     for budget in args.budgets:
         for name, store, own in rows:
             draft = Drafts(budget, store, own)
-            tokens = forwards = 0
-            for prompt, answer in cases:
-                t, f = walk(prompt, answer, draft, budget)
-                tokens, forwards = tokens + t, forwards + f
-            print(f"{name:60}{'≤ ' + str(budget + 1):>7}{tokens / forwards:9.3f}")
+            line = f"{name:60}{'≤ ' + str(budget + 1):>7}{walk_all(cases, draft, budget):9.3f}"
+            if store is not None and store.grows:
+                taus = [walk_all(order, draft, budget) for order in shuffles]
+                line += f"   {statistics.mean(taus):.3f} [{min(taus):.3f}, {max(taus):.3f}]"
+            print(line, flush=True)
     return 0
+
+
+def walk_all(cases: list[tuple[list[int], list[int]]], draft: Drafts, budget: int) -> float:
+    """τ over `cases` in their order; a growing datastore starts from its loaded corpus and takes each answer once it
+    is replayed."""
+    if draft.store is not None and draft.store.grows:
+        draft.store.forget_served()
+    tokens = forwards = 0
+    for prompt, answer in cases:
+        t, f = walk(prompt, answer, draft, budget)
+        tokens, forwards = tokens + t, forwards + f
+        draft.served(answer)
+    return tokens / forwards
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import inference.api as api
 from data.datastore import answer_texts, check_source
 from data.errors import UsageError
 from inference.api import load
+from inference.bench.methods import EngineRunner, Sampling
+from inference.bench.run import warm_up
 from inference.drafters.datastore import Datastore, load_datastore
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
@@ -26,6 +28,8 @@ from inference.drafters.with_lookup import WithLookup
 from inference.engine.drafter import DecodeState
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import build_tree
+from models.checkpoint import save_drafter
+from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import tiny_tokenizer
 from tests.model_support import save_tiny_model
 from tests.test_draft_model import left_pad
@@ -83,6 +87,44 @@ def test_a_large_range_is_counted_from_a_sample_and_ids_are_checked():
     with pytest.raises(UsageError, match="no tokens to draft from"):
         Datastore([[], []])
 
+
+
+def test_a_growing_datastore_drafts_as_one_index_over_everything_it_keeps():
+    """Served answers added one by one (segments merging as a binary counter) draft exactly as one Datastore over the
+    loaded documents and those answers, with or without loaded documents; segments stay O(log) in number."""
+    rng = random.Random(1)
+    for trial in range(40):
+        loaded = [[rng.randrange(6) for _ in range(rng.randint(1, 10))] for _ in range(rng.randint(0, 3))]
+        store = Datastore(loaded, max_match=3, max_served=10_000)
+        served = []
+        for _ in range(rng.randint(1, 24)):
+            answer = [rng.randrange(6) for _ in range(rng.randint(0, 9))]
+            store.add(answer)
+            served += [answer] if answer else []
+            reference = Datastore(loaded + served, max_match=3)
+            for _ in range(5):
+                context = [rng.randrange(7) for _ in range(rng.randint(1, 6))]
+                assert store.continuation(context, 5) == reference.continuation(context, 5), (trial, context)
+        assert store.num_tokens == reference.num_tokens and store.num_served == len(served)
+        assert len(store.served) <= max(store.num_tokens, 1).bit_length()
+
+
+def test_a_growing_datastore_keeps_the_latest_served_tokens_and_never_its_corpus():
+    store = Datastore([[1, 2, 3]], max_served=40)  # segments merge up to 10 tokens
+    for i in range(30):
+        store.add([100 + i, 200 + i, 300 + i, 400 + i])  # 4 tokens each
+        assert store.num_tokens - 3 <= 40 and store.continuation([100 + i], 3) == [200 + i, 300 + i, 400 + i]
+    assert store.continuation([1], 2) == [2, 3]  # the loaded corpus stays
+    assert store.continuation([100], 3) == []  # the oldest answers went
+    kept = (store.num_tokens - 3) // 4
+    assert 30 <= 4 * kept <= 40 and store.continuation([100 + 30 - kept], 1) == [200 + 30 - kept]
+    store.forget_served()
+    assert store.num_tokens == 3 and store.num_served == 0 and store.continuation([129], 1) == []
+    with pytest.raises(ValueError, match="does not grow"):
+        Datastore([[1, 2]]).add([3, 4])
+    with pytest.raises(UsageError, match="token id -2 is outside"):
+        Datastore([], max_served=10).add([1, -2])
+    assert Datastore([], max_served=10).continuation([1, 2], 4) == []
 
 def sharegpt_file(tmp_path, records: list, name: str = "answers.jsonl") -> str:
     path = tmp_path / name
@@ -200,6 +242,34 @@ def test_load_reads_the_datastore_before_the_model_and_decodes_exactly(tmp_path,
 
 
 
+def test_a_growing_datastore_drafts_from_earlier_answers_and_decodes_exactly(tmp_path):
+    """load(..., datastore_grow=N): each generation's answers join the datastore when it ends, so asking again
+    accepts more a step; every answer is plain greedy decoding (batched, left-padded, prompt lookup alone and Medusa
+    with the lookup grafted on); a bench warm-up's answers are forgotten."""
+    target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
+    prompts = repetitive_prompts(13, 3)
+    plain = [load(None, base=str(target), dtype="fp32").generate_ids(p, max_new_tokens=24).sequences[0]
+             for p in prompts]
+    engine = load("prompt_lookup:min_ngram=3,num_draft=6", base=str(target), dtype="fp32", datastore_grow=10_000)
+    store = engine.drafter.datastore
+    assert store.grows and store.num_tokens == 0
+    first = engine.generate_ids(prompts[0], max_new_tokens=24)
+    assert store.num_served == 1 and store.num_tokens == 24
+    again = engine.generate_ids(prompts[0], max_new_tokens=24)
+    assert first.sequences[0] == again.sequences[0] == plain[0]
+    assert again.stats.target_forwards < first.stats.target_forwards
+    batch = engine.generate_ids(prompts, max_new_tokens=24)
+    assert batch.sequences == plain and store.num_served == 5
+    heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=32, vocab_size=engine.model.vocab_size))
+    heads.init_from_base(engine.model.lm_head)
+    save_drafter(tmp_path / "heads", heads, str(target))
+    grafted = load(str(tmp_path / "heads"), base=str(target), dtype="fp32", lookup=4, datastore_grow=10_000)
+    assert [grafted.generate_ids(p, max_new_tokens=24).sequences[0] for p in prompts * 2] == plain * 2
+    assert grafted.drafter.datastore.num_served == 6
+    warm_up("prompt lookup", lambda: engine.generate_ids(prompts[1], max_new_tokens=8),
+            EngineRunner(engine, Sampling(0.0, None, None, "exact")))
+    assert store.num_served == 0 and store.num_tokens == 0
+
 def test_a_text_source_is_parsed_once_for_check_load_and_encoding(tmp_path, monkeypatch):
     """The command line checks a ShareGPT source, `load` checks it again and encodes it: one parse while the file
     is unchanged; an edited file is read again."""
@@ -247,3 +317,25 @@ def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft):
         walked_tokens, walked_forwards = walked_tokens + t, walked_forwards + f
     assert (walked_tokens, walked_forwards) == (tokens, forwards)
     assert tokens / forwards > 1.2  # drafts were accepted
+
+
+def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tiny_lm):
+    """scripts/lookup_walk.py's growing rows: the walk over prompts in order, each answer joining the datastore once
+    replayed, gives the τ of the engine serving them one after another with datastore_grow; from nothing it beats
+    prompt lookup alone when prompts repeat their kind."""
+    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
+
+    script = load_script("lookup_walk")
+    prompts = repetitive_prompts(23, 4) + repetitive_prompts(23, 4)[:2]  # two are asked again
+    config = DecodeConfig(max_new_tokens=24)
+    drafter = PromptLookupDrafter(num_draft=4, datastore=Datastore([], max_served=10_000))
+    tokens = forwards = 0
+    cases = []
+    for prompt in prompts:
+        out = generate(tiny_lm, torch.tensor([prompt]), drafter, config)
+        tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
+        cases.append((prompt, out.sequences[0]))
+    assert drafter.datastore.num_served == len(prompts)
+    growing = script.Drafts(4, Datastore([], max_served=10_000), own=True)
+    assert script.walk_all(cases, growing, 4) == pytest.approx(tokens / forwards, abs=1e-12)
+    assert script.walk_all(cases, script.Drafts(4, None, own=True), 4) < tokens / forwards

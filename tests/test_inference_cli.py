@@ -193,7 +193,8 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
 
 @pytest.mark.parametrize("case", ["temperature", "tree", "drafter", "chat", "questions", "question_line", "source",
                                   "head_vocab", "head_vocab_type", "lookup", "lookup_type", "lookup_build_tree",
-                                  "datastore", "datastore_line", "datastore_lookup"])
+                                  "datastore", "datastore_line", "datastore_lookup", "datastore_grow",
+                                  "datastore_grow_lookup", "datastore_grow_build_tree"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -227,6 +228,12 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
                             assets["questions"], "--datastore", bad_store), f"--datastore={bad_store}:2: "),
         "datastore_lookup": ((*gen, "--prompt", "x", "--datastore", bad_store),
                              "--datastore needs --lookup on drafter_type 'medusa'"),
+        "datastore_grow": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt", "x",
+                            "--datastore-grow", "0"), "--datastore-grow must be a whole number of tokens >= 1"),
+        "datastore_grow_lookup": ((*gen, "--prompt", "x", "--datastore-grow", "1000"),
+                                  "--datastore-grow needs --lookup on drafter_type 'medusa'"),
+        "datastore_grow_build_tree": (("build-tree", "--drafter", assets["ckpt"], "--datastore-grow", "1000"),
+                                      "--datastore-grow does not apply to build-tree"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

@@ -236,7 +236,7 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
         "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base,
         "drafter": session.drafter_name, "head_vocab": args.head_vocab, "lookup": args.lookup,
-        "datastore": args.datastore,
+        "datastore": args.datastore, "datastore_grow": args.datastore_grow,
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
         "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids,
@@ -305,11 +305,15 @@ def _heartbeat(bar: tqdm, interval: float) -> None:
         bar.refresh()  # a no-op once the bar is closed
 
 
-def warm_up(label: str, run: Callable[[], Any]) -> None:
+def warm_up(label: str, run: Callable[[], Any], runner: Any = None) -> None:
     """One method's warm-up generations (first calls pay for lazy initialisation), announced: they can take a
-    while before the first progress line."""
+    while before the first progress line. A `runner` whose drafter's datastore grows forgets the warm-up's answers
+    (they answer the first question: it would draft from its own answer)."""
     print(f"warm-up: {label}", file=sys.stderr, flush=True)
     run()
+    store = getattr(getattr(getattr(runner, "engine", None), "drafter", None), "datastore", None)
+    if store is not None and store.grows:
+        store.forget_served()
 
 
 def run_all(session: Any, runners: dict[str, Runner], questions: list[Question], args: argparse.Namespace
@@ -325,7 +329,7 @@ def run_all(session: Any, runners: dict[str, Runner], questions: list[Question],
     for name, runner in runners.items():
         if args.warmup:
             warm_up(name, lambda r=runner: [r(warm_ids, min(WARMUP_TOKENS, args.max_new_tokens), args.seed + i)
-                                            for i in range(args.warmup)])
+                                            for i in range(args.warmup)], runner)
     answers: dict[str, list[Answer]] = {name: [] for name in runners}
     order = list(runners)
     progress = progress_bar(len(questions) * len(order), "bench")

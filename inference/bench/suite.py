@@ -260,7 +260,7 @@ def run_questions(loaded: Loaded, questions: list[Question], args: argparse.Name
         warm = encode_messages(e.session, [{"role": "user", "content": questions[0].turns[0]}])
         if args.warmup:
             warm_up(e.label, lambda e=e: [e.runner(warm, min(WARMUP_TOKENS, args.max_new_tokens), args.seed + i)
-                                          for i in range(args.warmup)])
+                                          for i in range(args.warmup)], e.runner)
     answers: dict[str, dict[int, Answer]] = {e.label: {} for e in loaded.entries}
     total = sum(e.takes(q) for q in questions for e in loaded.entries)
     progress = progress_bar(total, "bench-suite")

@@ -15,6 +15,14 @@ Index: every corpus position's next `max_match + 1` tokens, as one big-endian by
 at that depth). All positions starting with a pattern form one range of it, found by binary search, so a lookup costs
 O(max_match log N) whatever the corpus size; memory is 4 (max_match + 3) bytes a token (5 MB for the 179k tokens of
 the CPU recipe's answers, max_match 4).
+
+Growing while serving (`max_served` > 0, as SuffixDecoding's global tree): `add` indexes each answer the engine has
+served, so later requests draft from it too. Served answers go into segments of their own, oldest first; the newest
+absorbs the one before it while that one is at most twice its size, so each segment is more than twice the size of
+the next, a lookup reads O(log) segments and a token is re-sorted O(log) times. A segment stops merging at
+`max_served / 4` tokens, and once the served tokens pass `max_served` the oldest segment is dropped. A lookup counts the next tokens of every segment together: the
+same draft as one index over the loaded corpus and the served answers kept. The loaded corpus is never dropped. Drafts
+stay exact: the datastore changes between generations, never within one.
 """
 
 from __future__ import annotations
@@ -28,50 +36,119 @@ from data.datastore import corpus_documents
 from data.errors import UsageError
 from models.fingerprint import tokenizer_fingerprint
 
-MAX_SCAN = 4096  # occurrences counted per lookup at most (evenly spaced over the range): a lookup stays O(1)
+MAX_SCAN = 4096  # occurrences counted per lookup and segment at most (evenly spaced over the range): O(1) a lookup
 
 
-class Datastore:
-    """A corpus of token-id documents, indexed for `continuation`. Ids must lie in [0, vocab_size) when given."""
+class SuffixIndex:
+    """One segment: a corpus (ids + 1, each document followed by a 0, so a continuation never crosses documents)
+    and its positions sorted by the `width` tokens that follow them."""
 
-    def __init__(self, documents: Sequence[Sequence[int]], max_match: int = 4, vocab_size: int | None = None) -> None:
-        if max_match < 1:
-            raise ValueError(f"Datastore: max_match must be >= 1, got {max_match}")
-        parts = [np.asarray(doc, dtype=np.int64) for doc in documents if len(doc)]
-        if not parts:
-            raise UsageError("no tokens to draft from")
-        ids = np.concatenate(parts)
-        high = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
-        if ids.min() < 0 or ids.max() >= high:
-            bad = int(ids.min() if ids.min() < 0 else ids.max())
-            raise UsageError(f"token id {bad} is outside the target's vocabulary [0, {high})")
-        self.max_match = max_match
-        self.num_documents, self.num_tokens, self.max_id = len(parts), len(ids), int(ids.max())
-        # corpus: ids + 1, each document followed by a 0 (no token), so a continuation never crosses documents
-        self.corpus = np.concatenate([np.append(p + 1, 0) for p in parts]).astype(np.int32)  # [N]
-        width = max_match + 1
-        padded = np.concatenate([self.corpus, np.zeros(width, np.int32)])
-        windows = np.lib.stride_tricks.sliding_window_view(padded, width)[: len(self.corpus)].astype(">u4")  # [N, W]
+    def __init__(self, corpus: np.ndarray, width: int) -> None:
+        self.corpus, self.width = corpus, width  # [N] int32
+        padded = np.concatenate([corpus, np.zeros(width, np.int32)])
+        windows = np.lib.stride_tricks.sliding_window_view(padded, width)[: len(corpus)].astype(">u4")  # [N, W]
         keys = np.ascontiguousarray(windows).view(f"V{4 * width}").ravel()  # [N] byte strings: memcmp = token order
         self.order = np.argsort(keys, kind="stable").astype(np.int32)  # [N] corpus positions, by what follows them
         self.keys = keys[self.order]  # [N]
-        self._width = width
+        self.num_tokens = int(np.count_nonzero(corpus))
+
+    @classmethod
+    def of_documents(cls, parts: Sequence[np.ndarray], width: int) -> "SuffixIndex":
+        return cls(np.concatenate([np.append(p + 1, 0) for p in parts]).astype(np.int32), width)
+
+    def merged(self, other: "SuffixIndex") -> "SuffixIndex":
+        """One segment over this corpus, then `other`'s."""
+        return SuffixIndex(np.concatenate([self.corpus, other.corpus]), self.width)
 
     def _range(self, pattern: Sequence[int]) -> tuple[int, int]:
-        """[a, b) of `order` whose positions start with `pattern` (original ids, len <= max_match + 1)."""
-        low = np.zeros(self._width, ">u4")
-        high = np.full(self._width, 0xFFFFFFFF, ">u4")
+        """[a, b) of `order` whose positions start with `pattern` (original ids, len < width + 1)."""
+        low = np.zeros(self.width, ">u4")
+        high = np.full(self.width, 0xFFFFFFFF, ">u4")
         low[: len(pattern)] = high[: len(pattern)] = np.asarray(pattern, np.int64) + 1
         dtype = self.keys.dtype
         a = int(np.searchsorted(self.keys, low.view(dtype)[0], "left"))
         b = int(np.searchsorted(self.keys, high.view(dtype)[0], "right"))
         return a, b
 
-    def _next_token(self, a: int, b: int, matched: int) -> int | None:
-        """The most frequent token after the `matched` tokens at positions order[a:b]; None if none continues."""
+    def following(self, pattern: Sequence[int]) -> np.ndarray:
+        """The tokens (ids + 1) that follow occurrences of `pattern`, at most MAX_SCAN of them evenly spaced over the
+        occurrences; empty when it does not occur with a next token."""
+        a, b = self._range(pattern)
+        if b <= a:
+            return self.corpus[:0]
         picks = self.order[a:b] if b - a <= MAX_SCAN else self.order[np.linspace(a, b - 1, MAX_SCAN).astype(np.int64)]
-        following = self.corpus[picks + matched]
-        following = following[following > 0]
+        after = self.corpus[picks + len(pattern)]
+        return after[after > 0]
+
+
+class Datastore:
+    """A corpus of token-id documents, indexed for `continuation`. Ids must lie in [0, vocab_size) when given.
+    `max_served` > 0: `add` keeps about the latest `max_served` tokens of served answers too (see the module
+    docstring); such a datastore may start without documents."""
+
+    def __init__(self, documents: Sequence[Sequence[int]], max_match: int = 4, vocab_size: int | None = None,
+                 max_served: int = 0) -> None:
+        if max_match < 1:
+            raise ValueError(f"Datastore: max_match must be >= 1, got {max_match}")
+        if max_served < 0:
+            raise ValueError(f"Datastore: max_served must be >= 0, got {max_served}")
+        parts = [np.asarray(doc, dtype=np.int64) for doc in documents if len(doc)]
+        if not parts and not max_served:
+            raise UsageError("no tokens to draft from")
+        self.max_match, self.max_served, self.vocab_size = max_match, max_served, vocab_size
+        self.num_documents = len(parts)
+        self.max_id = max((self._checked(p) for p in parts), default=-1)
+        self.loaded = SuffixIndex.of_documents(parts, max_match + 1) if parts else None
+        self.served: list[SuffixIndex] = []  # oldest first
+        self.num_served = 0  # answers added since construction (kept or dropped since)
+
+    def _checked(self, ids: np.ndarray) -> int:
+        """The largest id of `ids`; UsageError when one lies outside [0, vocab_size)."""
+        high = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int32).max
+        if ids.min() < 0 or ids.max() >= high:
+            bad = int(ids.min() if ids.min() < 0 else ids.max())
+            raise UsageError(f"token id {bad} is outside the target's vocabulary [0, {high})")
+        return int(ids.max())
+
+    @property
+    def segments(self) -> list[SuffixIndex]:
+        return ([self.loaded] if self.loaded is not None else []) + self.served
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens a lookup reads: the loaded corpus and the served answers kept."""
+        return sum(segment.num_tokens for segment in self.segments)
+
+    @property
+    def grows(self) -> bool:
+        return self.max_served > 0
+
+    def add(self, document: Sequence[int]) -> None:
+        """Index one served answer (token ids); a datastore that does not grow refuses."""
+        if not self.grows:
+            raise ValueError("Datastore.add: this datastore does not grow (max_served=0)")
+        ids = np.asarray(document, dtype=np.int64)
+        if not len(ids):
+            return
+        self.max_id = max(self.max_id, self._checked(ids))
+        self.num_served += 1
+        self.served.append(SuffixIndex.of_documents([ids], self.max_match + 1))
+        cap = max(self.max_served // 4, 1)
+        while (len(self.served) > 1 and 2 * self.served[-1].num_tokens >= self.served[-2].num_tokens
+               and self.served[-1].num_tokens + self.served[-2].num_tokens <= cap):
+            newest = self.served.pop()
+            self.served[-1] = self.served[-1].merged(newest)
+        while sum(segment.num_tokens for segment in self.served) > self.max_served:
+            self.served.pop(0)
+
+    def forget_served(self) -> None:
+        """Drop every served answer (a benchmark's warm-up must not leave its answers behind)."""
+        self.served.clear()
+        self.num_served = 0
+
+    def _next_token(self, pattern: Sequence[int]) -> int | None:
+        """The most frequent token after `pattern` over every segment; None if nothing continues it."""
+        following = np.concatenate([segment.following(pattern) for segment in self.segments] or [np.zeros(0, np.int32)])
         return int(np.bincount(following).argmax()) - 1 if len(following) else None
 
     def continuation(self, context: Sequence[int], length: int) -> list[int]:
@@ -83,8 +160,7 @@ class Datastore:
         while len(draft) < length and tail:
             token = None
             for n in range(min(longest, len(tail)), 0, -1):  # the longest suffix that occurs with a next token
-                a, b = self._range(tail[-n:])
-                token = self._next_token(a, b, n) if b > a else None
+                token = self._next_token(tail[-n:])
                 if token is not None:
                     longest = n + 1
                     break
@@ -101,13 +177,17 @@ def source_error(label: str, source: str | Path, err: Exception) -> UsageError:
     return UsageError(f"{label}={message}" if message.startswith(str(source)) else f"{label}={source}: {message}")
 
 
-def load_datastore(source: str | Path, tokenizer: Any = None, label: str = "datastore") -> Datastore:
+def load_datastore(source: str | Path | None, tokenizer: Any = None, label: str = "datastore",
+                   max_served: int = 0) -> Datastore:
     """The Datastore of `source` (data.datastore: a feature cache, or a ShareGPT file or folder tokenised with
-    `tokenizer`). A cache made with another tokenizer or unreadable data raise UsageError, one line starting with
-    `label`=source. (The target's vocabulary is checked against `Datastore.max_id` where the target is loaded.)"""
+    `tokenizer`; None: no corpus, for a datastore that grows from `max_served` > 0 alone). A cache made with another
+    tokenizer or unreadable data raise UsageError, one line starting with `label`=source. (The target's vocabulary is
+    checked against `Datastore.max_id` where the target is loaded.)"""
+    if source is None:
+        return Datastore([], max_served=max_served)
     encode = None if tokenizer is None else (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
     fingerprint = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
     try:
-        return Datastore(corpus_documents(source, encode, fingerprint))
+        return Datastore(corpus_documents(source, encode, fingerprint), max_served=max_served)
     except UsageError as err:
         raise source_error(label, source, err) from None

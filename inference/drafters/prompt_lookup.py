@@ -11,7 +11,8 @@ updated with the committed tokens, so a lookup costs O(max_ngram) whatever the l
 With a datastore (inference.drafters.datastore) a row also drafts the datastore's continuation of its context (the
 target's own earlier answers, where a phrase it says often is found). The two chains merge into one token tree (a
 shared start drafted once) and take turns, a level at a time, for its `num_draft` nodes; a step where one of them has
-no match gives the other all of them.
+no match gives the other all of them. A datastore that grows (`Datastore.max_served`) gets every answer once its
+generation has ended (`finish`), so a later request drafts from the answers served before it.
 
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
 the one-hot rule (inference.engine.verify) keep the output exact.
@@ -111,6 +112,12 @@ class PromptLookupDrafter:
 
     def propose(self, state: DecodeState) -> Draft:
         return paths_draft(state.root, self.chains(state), self.num_draft, self._trees, take_turns=True)
+
+    def finish(self, sequences: list[list[int]]) -> None:
+        """A datastore that grows (`Datastore.max_served`) indexes every answer of the generation just ended."""
+        if self.datastore is not None and self.datastore.grows:
+            for answer in sequences:
+                self.datastore.add(answer)
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         """Index the tokens this step committed."""

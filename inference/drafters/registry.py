@@ -58,7 +58,7 @@ from models.eagle3 import load_eagle3
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
-OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore")  # the load options a type may not take
+OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore", "datastore_grow")  # options a type may not take
 MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
 
 
@@ -74,12 +74,16 @@ class LoadOptions:
     # prompt lookup (alone or grafted by `lookup`): also draft from this corpus of the target's text; a source path
     # (data.datastore) until `with_datastore` reads it, then the Datastore
     datastore: str | Path | Datastore | None = None
+    # with `datastore` or without: every answer served is added to the datastore, the latest N tokens kept
+    datastore_grow: int | None = None
 
     def with_datastore(self, tokenizer: Any, naming: "Naming") -> "LoadOptions":
-        """These options with `datastore` read and indexed (a path given; `tokenizer` encodes a text source)."""
-        if self.datastore is None or isinstance(self.datastore, Datastore):
+        """These options with `datastore` read and indexed (a path given; `tokenizer` encodes a text source), or an
+        empty one made to grow (`datastore_grow` alone)."""
+        if isinstance(self.datastore, Datastore) or (self.datastore is None and self.datastore_grow is None):
             return self
-        return replace(self, datastore=load_datastore(self.datastore, tokenizer, label=naming.datastore))
+        store = load_datastore(self.datastore, tokenizer, label=naming.datastore, max_served=self.datastore_grow or 0)
+        return replace(self, datastore=store, datastore_grow=None)  # the Datastore carries it (max_served)
 
 
 @dataclass(frozen=True)
@@ -93,12 +97,13 @@ class Naming:
     head_vocab: str
     lookup: str
     datastore: str  # without "=": messages name the source as <datastore>=<path>
+    datastore_grow: str
 
 
 API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=",
-             lookup="lookup=", datastore="datastore")
+             lookup="lookup=", datastore="datastore", datastore_grow="datastore_grow=")
 CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab",
-             lookup="--lookup", datastore="--datastore")
+             lookup="--lookup", datastore="--datastore", datastore_grow="--datastore-grow")
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,12 @@ class DrafterRequest:
                                            or not 1 <= options.lookup <= MAX_LOOKUP):
             raise UsageError(f"{naming.lookup} must be a whole number of tokens in [1, {MAX_LOOKUP}], got "
                              f"{options.lookup!r}")
-        if options.datastore is not None:
+        if options.datastore_grow is not None and (isinstance(options.datastore_grow, bool)
+                                                   or not isinstance(options.datastore_grow, int)
+                                                   or options.datastore_grow < 1):
+            raise UsageError(f"{naming.datastore_grow} must be a whole number of tokens >= 1 (the served answers' "
+                             f"tokens kept), got {options.datastore_grow!r}")
+        if options.datastore is not None or options.datastore_grow is not None:
             self.check_datastore(options, naming)
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
@@ -151,10 +161,14 @@ class DrafterRequest:
         """A tree drafter's datastore chain shares the nodes `lookup` adds, so it needs `lookup`; the source is
         checked here (a cache's manifest, a text source parsed whole), before any model or tokenizer loads."""
         if "lookup" in DRAFTERS[self.type].takes and options.lookup is None:
-            raise UsageError(f"{naming.datastore} needs {naming.lookup.rstrip('=')} on {self.describe()}: the "
+            name = naming.datastore if options.datastore is not None else naming.datastore_grow.rstrip("=")
+            raise UsageError(f"{name} needs {naming.lookup.rstrip('=')} on {self.describe()}: the "
                              f"datastore's chain shares the N nodes that {naming.lookup.rstrip('=')} N adds to its "
                              f"tree")
-        if not isinstance(options.datastore, Datastore):
+        if isinstance(options.datastore, Datastore) and options.datastore_grow is not None:
+            raise UsageError(f"{naming.datastore_grow.rstrip('=')} applies to a datastore source (a path) or none; "
+                             f"a Datastore object grows when built with max_served > 0")
+        if options.datastore is not None and not isinstance(options.datastore, Datastore):
             try:
                 check_source(options.datastore)
             except UsageError as err:
@@ -239,7 +253,8 @@ KEYWORD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "lookahead": LookaheadDrafter,
     "prompt_lookup": PromptLookupDrafter,
 }
-KEYWORD_TAKES = {"prompt_lookup": frozenset({"datastore"})}  # the load options (OPTIONAL) each one takes
+# the load options (OPTIONAL) each one takes
+KEYWORD_TAKES = {"prompt_lookup": frozenset({"datastore", "datastore_grow"})}
 
 
 def build_training_free(name: str, options: Mapping[str, str], **loaded: Any) -> Drafter:
@@ -270,9 +285,10 @@ def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: Lo
 
 DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
-    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup", "datastore"}), checkpoint=True),
+    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup", "datastore", "datastore_grow"}),
+                          checkpoint=True),
     "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
-    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "datastore"}), checkpoint=True),
+    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "datastore", "datastore_grow"}), checkpoint=True),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
     **{name: DrafterType(_keyword, KEYWORD_TAKES.get(name, frozenset())) for name in KEYWORD_DRAFTERS},

@@ -74,7 +74,7 @@ class WithLookup:
 
     def __init__(self, inner: Drafter, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 1,
                  datastore: Datastore | None = None) -> None:
-        self.inner = inner
+        self.inner, self.datastore = inner, datastore
         self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, num_draft=num_draft,
                                           datastore=datastore)
         self.needs_hidden = inner.needs_hidden
@@ -95,6 +95,13 @@ class WithLookup:
         rows = [rank_tree(paths + found) for paths, found in zip(node_paths(draft), chains)]  # priority order
         choices = merge_rows(rows, draft.tree.num_nodes - 1 + self.lookup.num_draft)
         return tree_draft(draft.tokens[:, 0], rows, choices, self._trees)
+
+    def finish(self, sequences: list[list[int]]) -> None:
+        """The generation's answers to both parts that learn from them (a growing datastore; Drafter.finish)."""
+        for part in (self.inner, self.lookup):
+            finish = getattr(part, "finish", None)
+            if finish is not None:
+                finish(sequences)
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         run: WithLookupRun = state.drafter_state

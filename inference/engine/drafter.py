@@ -52,7 +52,9 @@ class DecodeState:
 
 class Drafter(Protocol):
     """Optionally also `feature_layers: tuple[int, ...]`: target hidden_states indices the loop keeps in
-    `state.features` (a feature drafter, EAGLE-3); absent means none."""
+    `state.features` (a feature drafter, EAGLE-3); absent means none. And optionally `finish(sequences)`: called once
+    a generation has ended, with every row's answer (stop conditions applied), for a drafter that learns from what the
+    target said (a datastore that grows while serving); it must not change the drafts of a generation under way."""
 
     needs_hidden: bool  # whether `state.hidden` must be filled (costs nothing extra: the forward computes it)
 

@@ -380,6 +380,10 @@ def _generate(
             drafter.update(state, draft, result)
         accepted.append(tuple(-1 if d else n for d, n in zip(done, result.num_accepted.tolist())))
         _commit(state, out, done, config, stream)
+    finish = getattr(drafter, "finish", None)
+    if finish is not None:
+        with clock("draft"):
+            finish(out)
     elapsed = time.perf_counter() - start
     times = StepTimes(**clock.totals, other=max(elapsed - sum(clock.totals.values()), 0.0))
     stats = GenerationStats(
