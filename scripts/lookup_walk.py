@@ -9,11 +9,12 @@ target's greedy answers, no tree forward.
 
 Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
 engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
-so far (`PromptLookupDrafter.row_chains`: the request's own chain and the datastore's, merged into one token tree of
-at most N nodes after the root, taking turns a level at a time), accepts the longest drafted path that the answer
-continues, plus the target's own next token. τ = answer tokens / target forwards (the prefill included), the engine's
-greedy τ for those drafters exactly.
-Rows: prompt lookup alone, each datastore alone, prompt lookup with each datastore; at each N of --num-draft. With
+so far (`PromptLookupDrafter.row_sources`: the request's own chain and the datastore's tree, merged into one token
+tree of at most N nodes after the root, taking turns a node at a time), accepts the longest drafted path that the
+answer continues, plus the target's own next token. τ = answer tokens / target forwards (the prefill included), the
+engine's greedy τ for those drafters exactly.
+Rows: prompt lookup alone, each datastore's tree alone, prompt lookup with each datastore, and the same with the
+datastore's greedy chain in place of its tree (what the tree buys); at each N of --num-draft. With
 --datastore-grow, also prompt lookup with a datastore that grows while serving (each answer joins it once replayed,
 as `load(..., datastore_grow=N)` does), from nothing and from each datastore: τ in the questions' order, and the mean
 and range over --orders shuffles of them (what a request gains then depends on what was served before it).
@@ -37,13 +38,14 @@ from data.errors import UsageError  # noqa: E402
 from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
 from inference.drafters.datastore import Datastore, load_datastore, source_error  # noqa: E402
-from inference.drafters.path_trees import merge_rows, rank_tree  # noqa: E402
+from inference.drafters.path_trees import chain_nodes, merge_rows, rank_tree  # noqa: E402
 from inference.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter  # noqa: E402
 
 
-def accepted(chains: list[list[int]], max_nodes: int, answer: list[int]) -> int:
-    """Drafts of the capped token tree of `chains` that greedy verification accepts when the target says `answer`."""
-    nodes = rank_tree((), chains)  # as PromptLookupDrafter.propose: the chains take turns for the nodes
+def accepted(sources: list[list[tuple[int, ...]]], max_nodes: int, answer: list[int]) -> int:
+    """Drafts of the capped token tree of `sources` that greedy verification accepts when the target says
+    `answer`."""
+    nodes = rank_tree((), sources)  # as PromptLookupDrafter.propose: the sources take turns for the nodes
     kept = set(merge_rows([nodes], max_nodes))
     child = {(path[:-1], token): path for path, token in nodes if path in kept}
     at, count = (), 0
@@ -55,7 +57,7 @@ def accepted(chains: list[list[int]], max_nodes: int, answer: list[int]) -> int:
 
 
 def walk(prompt: list[int], answer: list[int], draft: "Drafts", max_nodes: int) -> tuple[int, int]:
-    """(answer tokens, target forwards) replaying `answer`; `draft(index)` gives the chains of a step."""
+    """(answer tokens, target forwards) replaying `answer`; `draft(index)` gives the sources of a step."""
     index = draft.lookup.new_index()  # the drafter's own n-gram sizes
     index.extend(prompt + answer[:1])  # the prefill's forward commits the first token
     done, forwards = 1, 1
@@ -67,21 +69,29 @@ def walk(prompt: list[int], answer: list[int], draft: "Drafts", max_nodes: int) 
 
 
 class Drafts:
-    """The chains one row drafts each step: prompt lookup (with a datastore) or a datastore alone."""
+    """The sources of nodes one row drafts each step. `mode`: "lookup", prompt lookup's own (its chain, and the
+    datastore's tree with a datastore); "store", the datastore's tree alone; "chains", prompt lookup's chain and the
+    datastore's greedy chain (`Datastore.continuation`) taking turns."""
 
-    def __init__(self, num_draft: int, store: Datastore | None, own: bool) -> None:
+    def __init__(self, num_draft: int, store: Datastore | None, mode: str = "lookup") -> None:
+        if mode not in ("lookup", "store", "chains") or (mode != "lookup" and store is None):
+            raise ValueError(f"Drafts: mode {mode!r} with store {store!r}")
         self.lookup = PromptLookupDrafter(num_draft=num_draft, datastore=store)
-        self.store, self.own = store, own
+        self.store, self.mode = store, mode
 
     def served(self, answer: list[int]) -> None:
         """The answer replayed joins a growing datastore, as the engine's `finish` adds it (no-op otherwise)."""
         self.lookup.finish([answer])
 
-    def __call__(self, index: NgramIndex) -> list[list[int]]:
-        if self.own:
-            return self.lookup.row_chains(index)
-        chain = self.store.continuation(index.tokens, self.lookup.num_draft)
-        return [chain] if chain else []
+    def __call__(self, index: NgramIndex) -> list[list[tuple[int, ...]]]:
+        if self.mode == "lookup":
+            return self.lookup.row_sources(index)
+        n = self.lookup.num_draft
+        if self.mode == "store":
+            found = [self.store.tree(index.tokens, n)]
+        else:
+            found = [chain_nodes(index.lookup(n)), chain_nodes(self.store.continuation(index.tokens, n))]
+        return [nodes for nodes in found if nodes]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -134,17 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     for question in tqdm(questions, desc="greedy answers"):
         prompt = engine.encode(question.turns[0])
         cases.append((prompt, engine.generate_ids(prompt, max_new_tokens=args.max_new_tokens).sequences[0]))
-    rows = [("prompt lookup", None, True)]
-    rows += [(f"datastore {path}", store, False) for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path}", store, True) for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path or 'nothing'}, growing", store, True) for path, store in grow.items()]
+    rows = [("prompt lookup", None, "lookup")]
+    rows += [(f"datastore {path}", store, "store") for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path}", store, "lookup") for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path}, its greedy chain", store, "chains") for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path or 'nothing'}, growing", store, "lookup") for path, store in grow.items()]
     shuffles = [random.Random(args.seed + i).sample(cases, len(cases)) for i in range(args.orders)]
     total = sum(len(answer) for _, answer in cases)
     print(f"{len(cases)} prompts (--questions {args.questions}), {total} answer tokens, greedy, {args.dtype}")
     print(f"{'drafter':60}{'nodes':>7}{'walk τ':>9}   growing: mean [min, max] over {args.orders} shuffles")
     for budget in args.budgets:
-        for name, store, own in rows:
-            draft = Drafts(budget, store, own)
+        for name, store, mode in rows:
+            draft = Drafts(budget, store, mode)
             line = f"{name:60}{'≤ ' + str(budget + 1):>7}{walk_all(cases, draft, budget):9.3f}"
             if store is not None and store.grows:
                 taus = [walk_all(order, draft, budget) for order in shuffles]

@@ -76,6 +76,53 @@ def test_continuation_examples_and_brute_force():
         assert Datastore(docs, max_match=max_match).continuation(context, 6) == expected, (docs, context)
 
 
+def naive_next(docs: list[list[int]], seq: list[int], max_match: int) -> Counter:
+    """Reference: the next tokens after the longest suffix of `seq` (<= max_match) that some document continues."""
+    for n in range(min(max_match, len(seq)), 0, -1):
+        pattern = seq[len(seq) - n :]
+        following = Counter(d[i + n] for d in docs for i in range(len(d) - n) if d[i : i + n] == pattern)
+        if following:
+            return following
+    return Counter()
+
+
+def naive_scores(docs: list[list[int]], context: list[int], depth: int, max_match: int) -> dict[tuple, float]:
+    """Reference: every node of the datastore's tree down to `depth`, with its score (the product of its tokens'
+    empirical probabilities)."""
+    scores: dict[tuple, float] = {}
+    level = {(): 1.0}
+    for _ in range(depth):
+        deeper = {}
+        for path, score in level.items():
+            following = naive_next(docs, context + list(path), max_match)
+            total = sum(following.values())
+            for token, count in following.items():
+                deeper[path + (token,)] = score * count / total
+        scores.update(deeper)
+        level = deeper
+    return scores
+
+
+def test_the_tree_takes_the_most_likely_nodes_best_first():
+    """Datastore.tree against exhaustive enumeration: its nodes' scores are the `size` best of every node, in
+    non-increasing order, each node after its parent; ties go to the more frequent, then the smaller token."""
+    store = Datastore([[1, 2, 3], [1, 2, 4], [1, 2, 3], [2, 5]])
+    assert store.tree([1], 4) == [(2,), (2, 3), (2, 4)]  # documents end after 3 and 4: only 3 nodes exist
+    assert store.tree([2], 3) == [(3,), (4,), (5,)]  # "2" -> 3 twice, 4 and 5 once each (a tie: 4 first)
+    assert store.tree([9], 3) == [] and store.tree([1], 0) == []
+    rng = random.Random(2)
+    for _ in range(150):
+        docs = [[rng.randrange(5) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 5))]
+        context = [rng.randrange(6) for _ in range(rng.randint(1, 6))]
+        max_match, size = rng.randint(1, 4), rng.randint(1, 9)
+        nodes = Datastore(docs, max_match=max_match).tree(context, size)
+        scores = naive_scores(docs, context, size, max_match)
+        got = [scores[node] for node in nodes]
+        assert len(set(nodes)) == len(nodes) and all(n[:-1] == () or n[:-1] in nodes[:i] for i, n in enumerate(nodes))
+        assert got == sorted(got, reverse=True)
+        assert got == pytest.approx(sorted(scores.values(), reverse=True)[:size]), (docs, context, max_match)
+
+
 def test_a_large_range_is_counted_from_a_sample_and_ids_are_checked():
     store = Datastore([[1, 2]] * 6000 + [[1, 3]] * 2000)  # 8,000 occurrences of 1: more than one lookup scans
     assert store.continuation([1], 3) == [2]
@@ -105,6 +152,7 @@ def test_a_growing_datastore_drafts_as_one_index_over_everything_it_keeps():
             for _ in range(5):
                 context = [rng.randrange(7) for _ in range(rng.randint(1, 6))]
                 assert store.continuation(context, 5) == reference.continuation(context, 5), (trial, context)
+                assert store.tree(context, 6) == reference.tree(context, 6), (trial, context)
         assert store.num_tokens == reference.num_tokens and store.num_served == len(served)
         assert len(store.served) <= max(store.num_tokens, 1).bit_length()
 
@@ -175,18 +223,18 @@ def state_of(contexts: list[list[int]]) -> DecodeState:
                        generated=[[c[-1]] for c in contexts])
 
 
-def test_prompt_lookup_adds_the_datastore_chain_within_its_nodes():
+def test_prompt_lookup_adds_the_datastore_tree_within_its_nodes():
     store = Datastore([[7, 8, 9, 10, 11]])
     # row 0: its own text has "1 2" -> 5 6, the datastore "1 2" never, "2" never: its own chain only;
     # row 1: no earlier occurrence of its last token 7 in its own text: the datastore's 8 9 10 11
     drafter = PromptLookupDrafter(num_draft=4, datastore=store)
     state = state_of([[1, 2, 5, 6, 1, 2], [3, 3, 4, 4, 4, 7]])
-    assert drafter.chains(state)[1] == [[8, 9, 10, 11]]
-    assert drafter.chains(state)[0] == [[5, 6, 1, 2]]
-    # a row with both: the chains share their first token 5 and take turns below it, a level at a time
+    assert drafter.sources(state)[1] == [[(8,), (8, 9), (8, 9, 10), (8, 9, 10, 11)]]
+    assert drafter.sources(state)[0] == [[(5,), (5, 6), (5, 6, 1), (5, 6, 1, 2)]]
+    # a row with both: the two share their first token 5 and take turns below it, a node at a time
     both = PromptLookupDrafter(num_draft=3, datastore=Datastore([[2, 5, 9, 9]]))
-    found = both.chains(state_of([[1, 2, 5, 6, 1, 2]]))[0]
-    assert found == [[5, 6, 1], [5, 9, 9]]
+    found = both.sources(state_of([[1, 2, 5, 6, 1, 2]]))[0]
+    assert found == [[(5,), (5, 6), (5, 6, 1)], [(5,), (5, 9), (5, 9, 9)]]
     draft = both.propose(state_of([[1, 2, 5, 6, 1, 2]]))
     assert draft.tree.choices == ((0,), (0, 0), (0, 1))  # 3 nodes: 5, then 6 and 9 below it; the cap cuts 1 and 9
     assert draft.tokens.tolist() == [[2, 5, 6, 9]]
@@ -269,6 +317,15 @@ def test_a_growing_datastore_drafts_from_earlier_answers_and_decodes_exactly(tmp
     warm_up("prompt lookup", lambda: engine.generate_ids(prompts[1], max_new_tokens=8),
             EngineRunner(engine, Sampling(0.0, None, None, "exact")))
     assert store.num_served == 0 and store.num_tokens == 0
+    request = resolve("prompt_lookup", base=str(target))
+    with pytest.raises(UsageError, match="^datastore_grow applies to a datastore source"):
+        request.check(LoadOptions(datastore=Datastore([[1, 2]]), datastore_grow=100))
+    for bad in (0, True, 2.5):
+        with pytest.raises(UsageError, match=r"^datastore_grow= must be a whole number of tokens >= 1"):
+            request.check(LoadOptions(datastore_grow=bad))
+    with pytest.raises(UsageError, match=r"^datastore_grow= does not apply to drafter 'jacobi'; it applies to eagle3, "
+                                         r"medusa, prompt_lookup"):
+        resolve("jacobi", base=str(target)).check(LoadOptions(datastore_grow=100))
 
 def test_a_text_source_is_parsed_once_for_check_load_and_encoding(tmp_path, monkeypatch):
     """The command line checks a ShareGPT source, `load` checks it again and encodes it: one parse while the file
@@ -313,7 +370,7 @@ def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft):
         ids = torch.tensor([prompt])
         out = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=num_draft, datastore=store), config)
         tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
-        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store, own=True), num_draft)
+        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store), num_draft)
         walked_tokens, walked_forwards = walked_tokens + t, walked_forwards + f
     assert (walked_tokens, walked_forwards) == (tokens, forwards)
     assert tokens / forwards > 1.2  # drafts were accepted
@@ -336,6 +393,6 @@ def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tin
         tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
         cases.append((prompt, out.sequences[0]))
     assert drafter.datastore.num_served == len(prompts)
-    growing = script.Drafts(4, Datastore([], max_served=10_000), own=True)
+    growing = script.Drafts(4, Datastore([], max_served=10_000))
     assert script.walk_all(cases, growing, 4) == pytest.approx(tokens / forwards, abs=1e-12)
-    assert script.walk_all(cases, script.Drafts(4, None, own=True), 4) < tokens / forwards
+    assert script.walk_all(cases, script.Drafts(4, None), 4) < tokens / forwards

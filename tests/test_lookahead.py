@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inference.drafters.lookahead import LookaheadDrafter, TokenTrie
-from inference.drafters.path_trees import TreeCache, merge_rows, paths_draft, rank_tree
+from inference.drafters.path_trees import TreeCache, chain_nodes, merge_rows, paths_draft, rank_tree
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.verify import SamplingParams, VerifyResult, target_probs
@@ -111,9 +111,12 @@ def test_prune_bounds_the_trie_and_keeps_frequent_ngrams():
 def test_token_paths_merge_into_one_tree_per_step():
     nodes = rank_tree([(5, 6, 7), (5, 8), (9,), (5, 6)])
     assert nodes == [((0,), 5), ((0, 0), 6), ((0, 0, 0), 7), ((0, 1), 8), ((1,), 9)]
-    # paths that take turns come after the priority ones, a level at a time: every second token (4, 8) before 7
-    turns = rank_tree([(5, 6)], take_turns=[(5, 6, 7, 2), (9, 4), (5, 8)])
+    # sources that take turns come after the priority paths, a node at a time: chains a level at a time, every
+    # second token (4, 8) before 7; a tree's nodes in its own order
+    turns = rank_tree([(5, 6)], take_turns=[chain_nodes((5, 6, 7, 2)), chain_nodes((9, 4)), chain_nodes((5, 8))])
     assert turns == [((0,), 5), ((0, 0), 6), ((1,), 9), ((1, 0), 4), ((0, 1), 8), ((0, 0, 0), 7), ((0, 0, 0, 0), 2)]
+    mixed = rank_tree([], take_turns=[chain_nodes((5, 6)), [(9,), (3,), (9, 4), (5, 7)]])
+    assert mixed == [((0,), 5), ((1,), 9), ((0, 0), 6), ((2,), 3), ((1, 0), 4), ((0, 1), 7)]
     other = rank_tree([(4,), (3, 3)])  # ranks (0,), (1,), (1, 0)
     assert merge_rows([nodes, other], max_nodes=3) == [(0,), (0, 0), (1,)]  # rows take turns; prefix-closed
     trees = TreeCache()

@@ -6,10 +6,13 @@ that pays is the target's own answers (data.datastore: a self-distilled feature 
 same phrases again and again ("Here are some", "```python\\ndef", "I hope this helps"), and an n-gram of its own text
 predicts them where a trained drafter guesses token by token.
 
-`Datastore.continuation(context, n)` drafts greedily: the longest suffix of the context (at most `max_match` tokens)
-that occurs in the corpus with a next token picks the occurrences; their most frequent next token is drafted; repeat
-with the drafted token appended. A chain stops where not even the last token occurs with a next token (documents never
-run into each other).
+What follows a context: the longest suffix of the context (at most `max_match` tokens) that occurs in the corpus with
+a next token picks the occurrences, and their next tokens, counted, give an empirical distribution
+(`Datastore.next_counts`). Documents never run into each other. `Datastore.tree(context, n)` drafts a token tree of up
+to n nodes from it, best first, as SuffixDecoding does: a node's score is the product of its tokens' empirical
+probabilities along its path, and the next node taken is the best-scoring child of the tree so far (each child's
+distribution comes from the longest suffix of the context plus its path). `Datastore.continuation(context, n)` is the
+greedy chain: the most frequent next token, appended, up to n times.
 
 Index: every corpus position's next `max_match + 1` tokens, as one big-endian byte string, sorted (a suffix array cut
 at that depth). All positions starting with a pattern form one range of it, found by binary search, so a lookup costs
@@ -20,13 +23,16 @@ Growing while serving (`max_served` > 0, as SuffixDecoding's global tree): `add`
 served, so later requests draft from it too. Served answers go into segments of their own, oldest first; the newest
 absorbs the one before it while that one is at most twice its size, so each segment is more than twice the size of
 the next, a lookup reads O(log) segments and a token is re-sorted O(log) times. A segment stops merging at
-`max_served / 4` tokens, and once the served tokens pass `max_served` the oldest segment is dropped. A lookup counts the next tokens of every segment together: the
-same draft as one index over the loaded corpus and the served answers kept. The loaded corpus is never dropped. Drafts
-stay exact: the datastore changes between generations, never within one.
+`max_served / 4` tokens, and once the served tokens pass `max_served` the oldest segment is dropped. A lookup counts
+the next tokens of every segment together: the same draft as one index over the loaded corpus and the served answers
+kept. The loaded corpus is never dropped. Drafts stay exact: the datastore changes between generations, never within
+one.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,6 +43,8 @@ from data.errors import UsageError
 from models.fingerprint import tokenizer_fingerprint
 
 MAX_SCAN = 4096  # occurrences counted per lookup and segment at most (evenly spaced over the range): O(1) a lookup
+TREE_BRANCH = 8  # children of a node `Datastore.tree` weighs at most: its most frequent next tokens
+NO_TOKENS = np.zeros(0, np.int64)
 
 
 class SuffixIndex:
@@ -146,29 +154,55 @@ class Datastore:
         self.served.clear()
         self.num_served = 0
 
-    def _next_token(self, pattern: Sequence[int]) -> int | None:
-        """The most frequent token after `pattern` over every segment; None if nothing continues it."""
-        following = np.concatenate([segment.following(pattern) for segment in self.segments] or [np.zeros(0, np.int32)])
-        return int(np.bincount(following).argmax()) - 1 if len(following) else None
+    def next_counts(self, context: Sequence[int], longest: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """(tokens, counts, n): what followed the longest suffix of `context` (at most `longest`, else `max_match`
+        tokens) that occurs with a next token, over every segment, most frequent first (on a tie the smaller id), and
+        that suffix's length n; empty and 0 when not even the last token occurs with a next token."""
+        tail = list(context[-self.max_match :])
+        for n in range(min(longest or self.max_match, len(tail)), 0, -1):
+            following = np.concatenate([segment.following(tail[-n:]) for segment in self.segments] or [NO_TOKENS])
+            if len(following):
+                counts = np.bincount(following)
+                ids = np.flatnonzero(counts)  # ascending: a stable sort keeps the smaller id first on a tie
+                order = np.argsort(-counts[ids], kind="stable")
+                return ids[order] - 1, counts[ids][order], n
+        return NO_TOKENS, NO_TOKENS, 0
 
     def continuation(self, context: Sequence[int], length: int) -> list[int]:
-        """Up to `length` tokens drafted after `context` (see the module docstring); [] when not even its last token
-        occurs in the corpus with a next token."""
+        """Up to `length` tokens drafted greedily after `context` (see the module docstring); [] when not even its
+        last token occurs in the corpus with a next token."""
         tail = list(context[-self.max_match :])
         draft: list[int] = []
         longest = self.max_match  # a match can grow by at most one token per drafted token
-        while len(draft) < length and tail:
-            token = None
-            for n in range(min(longest, len(tail)), 0, -1):  # the longest suffix that occurs with a next token
-                token = self._next_token(tail[-n:])
-                if token is not None:
-                    longest = n + 1
-                    break
-            if token is None:
+        while len(draft) < length:
+            tokens, _, n = self.next_counts(tail + draft, longest)
+            if not n:
                 break
-            draft.append(token)
-            tail = (tail + [token])[-self.max_match :]
+            draft.append(int(tokens[0]))
+            longest = n + 1
         return draft
+
+    def tree(self, context: Sequence[int], size: int) -> list[tuple[int, ...]]:
+        """Up to `size` nodes of the draft tree after `context`, best first (see the module docstring), each as its
+        token path from the root; a node comes after its parent; on a tie of scores the node found first."""
+        tail = tuple(context[-self.max_match :])
+        frontier: list[tuple[float, int, tuple[int, ...], int]] = []  # heap of (-score, order found, path, longest)
+        found = itertools.count()
+
+        def expand(path: tuple[int, ...], score: float, longest: int) -> None:
+            tokens, counts, n = self.next_counts(tail + path, longest)
+            total = float(counts.sum())
+            for token, count in zip(tokens[:TREE_BRANCH].tolist(), counts[:TREE_BRANCH].tolist()):
+                heapq.heappush(frontier, (-score * count / total, next(found), path + (token,), n + 1))
+
+        nodes: list[tuple[int, ...]] = []
+        expand((), 1.0, self.max_match)
+        while frontier and len(nodes) < size:
+            score, _, path, longest = heapq.heappop(frontier)
+            nodes.append(path)
+            if len(nodes) < size:
+                expand(path, -score, longest)
+        return nodes
 
 
 def source_error(label: str, source: str | Path, err: Exception) -> UsageError:

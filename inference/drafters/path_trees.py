@@ -25,34 +25,41 @@ from inference.engine.drafter import DecodeState, Draft
 from inference.engine.tree import Path_, TreeBuffers, build_tree
 
 
-def rank_tree(paths: Sequence[Sequence[int]], take_turns: Sequence[Sequence[int]] = ()) -> list[tuple[Path_, int]]:
+def rank_tree(paths: Sequence[Sequence[int]], take_turns: Sequence[Sequence[Sequence[int]]] = ()
+              ) -> list[tuple[Path_, int]]:
     """Token paths after the root, in priority order -> [(rank path, token)] of their merged tree: every node once,
-    parents before children, siblings ranked by first appearance. The `take_turns` paths come after `paths`, level by
-    level (each one's first token, then each one's second, ...), so a node cap (`merge_rows`) shares its nodes among
-    them instead of giving them all to the first."""
+    parents before children, siblings ranked by first appearance. `take_turns` holds sources that come after `paths`
+    and take turns a node at a time (each source's first node, then each one's second, ...), so a node cap
+    (`merge_rows`) shares its nodes among them instead of giving them all to the first. A source lists its nodes as
+    token paths from the root, each after its parent: a chain's are its prefixes (`chain_nodes`), a tree's come in any
+    order that keeps parents first."""
     node_of: dict[tuple[Path_, int], Path_] = {}  # (parent rank path, token) -> rank path
     num_children: dict[Path_, int] = {}
     nodes: list[tuple[Path_, int]] = []
 
-    def child(at: Path_, token: int) -> Path_:
-        key = (at, token)
-        if key not in node_of:
-            rank = num_children.get(at, 0)
-            num_children[at] = rank + 1
-            node_of[key] = at + (rank,)
-            nodes.append((node_of[key], token))
-        return node_of[key]
-
-    for tokens in paths:
+    def add(tokens: Sequence[int]) -> None:
         at: Path_ = ()
         for token in tokens:
-            at = child(at, token)
-    ends: list[Path_] = [()] * len(take_turns)
-    for depth in range(max(map(len, take_turns), default=0)):
-        for i, tokens in enumerate(take_turns):
-            if depth < len(tokens):
-                ends[i] = child(ends[i], tokens[depth])
+            key = (at, token)
+            if key not in node_of:
+                rank = num_children.get(at, 0)
+                num_children[at] = rank + 1
+                node_of[key] = at + (rank,)
+                nodes.append((node_of[key], token))
+            at = node_of[key]
+
+    for tokens in paths:
+        add(tokens)
+    for i in range(max(map(len, take_turns), default=0)):
+        for source in take_turns:
+            if i < len(source):
+                add(source[i])
     return nodes
+
+
+def chain_nodes(chain: Sequence[int]) -> list[tuple[int, ...]]:
+    """A chain's nodes as token paths from the root (its prefixes), for `rank_tree`'s `take_turns`."""
+    return [tuple(chain[: i + 1]) for i in range(len(chain))]
 
 
 def merge_rows(rows: Sequence[Sequence[tuple[Path_, int]]], max_nodes: int) -> list[Path_]:
@@ -95,9 +102,9 @@ def paths_draft(
     root: torch.Tensor, rows: Sequence[Sequence[Sequence[int]]], max_nodes: int, trees: TreeCache,
     take_turns: bool = False,
 ) -> Draft:
-    """root [B] and each row's continuation paths (priority order, or with `take_turns` sharing the nodes level by
-    level; a row may have none) -> one Draft whose tree is the capped union of the rows' merged trees (tokens [B, K],
-    fillers where a row lacks a node)."""
+    """root [B] and each row's continuation paths (priority order), or with `take_turns` each row's sources of
+    nodes (`rank_tree`: they share the nodes a node at a time); a row may have none -> one Draft whose tree is the
+    capped union of the rows' merged trees (tokens [B, K], fillers where a row lacks a node)."""
     ranked = [rank_tree((), paths) if take_turns else rank_tree(paths) for paths in rows]
     return tree_draft(root, ranked, merge_rows(ranked, max_nodes), trees)
 

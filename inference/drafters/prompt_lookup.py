@@ -8,10 +8,10 @@ max_ngram..min_ngram that occurred before gives the draft: the γ tokens that fo
 occurrence, as a chain. Each row keeps a hash index n-gram -> end of its latest occurrence that has a next token,
 updated with the committed tokens, so a lookup costs O(max_ngram) whatever the length of the context.
 
-With a datastore (inference.drafters.datastore) a row also drafts the datastore's continuation of its context (the
-target's own earlier answers, where a phrase it says often is found). The two chains merge into one token tree (a
-shared start drafted once) and take turns, a level at a time, for its `num_draft` nodes; a step where one of them has
-no match gives the other all of them. A datastore that grows (`Datastore.max_served`) gets every answer once its
+With a datastore (inference.drafters.datastore) a row also drafts the datastore's tree for its context (the target's
+own earlier answers, where a phrase it says often is found: the most likely continuations, best first). The chain and
+the tree merge into one token tree (a shared start drafted once) and take turns, a node at a time, for its
+`num_draft` nodes; a step where one of them has no match gives the other all of them. A datastore that grows (`Datastore.max_served`) gets every answer once its
 generation has ended (`finish`), so a later request drafts from the answers served before it.
 
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from inference.drafters.datastore import Datastore
-from inference.drafters.path_trees import TreeCache, paths_draft, row_prompts
+from inference.drafters.path_trees import TreeCache, chain_nodes, paths_draft, row_prompts
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.verify import VerifyResult
 
@@ -72,7 +72,7 @@ class LookupRun:
 
 class PromptLookupDrafter:
     """A chain of up to `num_draft` tokens per row from an `NgramIndex` over that row's prompt and output; with a
-    `datastore`, also the datastore's continuation of the row (the two share `num_draft` nodes, a level at a time).
+    `datastore`, also the datastore's tree for the row (the two share `num_draft` nodes, a node at a time).
     Rows without a match contribute no nodes (fillers where other rows drafted; a root-only tree when none did)."""
 
     needs_hidden = False
@@ -88,30 +88,31 @@ class PromptLookupDrafter:
         self.datastore = datastore
         self._trees = TreeCache()
 
-    def chains(self, state: DecodeState) -> list[list[list[int]]]:
-        """Each row's draft chains in priority order (the request's own, then the datastore's), none for a row
-        without a match; starts the run's state on the first step."""
+    def sources(self, state: DecodeState) -> list[list[list[tuple[int, ...]]]]:
+        """Each row's draft sources in priority order (`row_sources`), none for a row without a match; starts the
+        run's state on the first step."""
         if state.drafter_state is None:  # first step of a generation
             prompts = row_prompts(state)
             state.drafter_state = LookupRun([self.new_index() for _ in prompts], [len(p) for p in prompts])
             for index, prompt, tokens in zip(state.drafter_state.rows, prompts, state.generated):
                 index.extend(prompt + tokens)
-        return [self.row_chains(index) for index in state.drafter_state.rows]
+        return [self.row_sources(index) for index in state.drafter_state.rows]
 
     def new_index(self) -> NgramIndex:
         """An empty index of one row's text, with this drafter's n-gram sizes."""
         return NgramIndex(self.max_ngram, self.min_ngram)
 
-    def row_chains(self, index: NgramIndex) -> list[list[int]]:
-        """One row's chains (its index holds the row's prompt and committed tokens): its own text's, then the
-        datastore's; a chain without a match is left out."""
-        found = [index.lookup(self.num_draft)]
+    def row_sources(self, index: NgramIndex) -> list[list[tuple[int, ...]]]:
+        """One row's sources of nodes, each as token paths from the root, parents first (its index holds the row's
+        prompt and committed tokens): its own text's chain, then the datastore's tree, best first; a source without
+        a match is left out."""
+        found = [chain_nodes(index.lookup(self.num_draft))]
         if self.datastore is not None:
-            found.append(self.datastore.continuation(index.tokens, self.num_draft))
-        return [chain for chain in found if chain]
+            found.append(self.datastore.tree(index.tokens, self.num_draft))
+        return [nodes for nodes in found if nodes]
 
     def propose(self, state: DecodeState) -> Draft:
-        return paths_draft(state.root, self.chains(state), self.num_draft, self._trees, take_turns=True)
+        return paths_draft(state.root, self.sources(state), self.num_draft, self._trees, take_turns=True)
 
     def finish(self, sequences: list[list[int]]) -> None:
         """A datastore that grows (`Datastore.max_served`) indexes every answer of the generation just ended."""

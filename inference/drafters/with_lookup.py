@@ -9,11 +9,11 @@ prompt and output. They fail in different places: a trained drafter rarely guess
 verifies both each step: per row, the inner tree's token paths first, then the lookup chain, merged into one token tree
 (`path_trees.rank_tree`: a chain that starts with tokens the inner tree already drafted continues below its nodes
 instead of repeating them). With a datastore of the target's own text (inference.drafters.datastore) the lookup also
-drafts the datastore's continuation, after the request's own chain: it gets the lookup's nodes the own chain leaves
-(all of them in a step where the request's own text has no match). A trained drafter and a datastore both predict the
-target's habitual phrasing, a copy from the request is what neither can guess, so here the copy comes first (on
-smollm2, with EAGLE-3's 8-node tree: τ 2.35 in this order, 2.30 with the chains taking turns as prompt lookup alone
-has them). A step without a match verifies the inner tree alone; the lookup adds at most `num_draft` nodes. Rows of a
+drafts the datastore's tree, best first, after the request's own chain: it gets the lookup's nodes the own chain
+leaves (all of them in a step where the request's own text has no match). A trained drafter and a datastore both
+predict the target's habitual phrasing, a copy from the request is what neither can guess, so here the copy comes
+first (on smollm2, with EAGLE-3's 8-node tree and the datastore's greedy chain: τ 2.35 in this order, 2.30 with the
+two taking turns as prompt lookup alone has them). A step without a match verifies the inner tree alone; the lookup adds at most `num_draft` nodes. Rows of a
 batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
 
 Drafts of both are deterministic, so greedy verification still returns plain greedy decoding and rejection sampling
@@ -69,7 +69,7 @@ def node_paths(draft: Draft) -> list[list[list[int]]]:
 
 class WithLookup:
     """`inner`'s tree plus a prompt-lookup chain of up to `num_draft` tokens per row (n-grams of `min_ngram` to
-    `max_ngram` tokens, as `PromptLookupDrafter`), and the `datastore`'s continuation when given, `num_draft` nodes
+    `max_ngram` tokens, as `PromptLookupDrafter`), and the `datastore`'s tree when given, `num_draft` nodes
     for both."""
 
     def __init__(self, inner: Drafter, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 1,
@@ -87,12 +87,13 @@ class WithLookup:
         with part_state(state, run, "inner"):
             draft = self.inner.propose(state)
         with part_state(state, run, "lookup"):
-            chains = self.lookup.chains(state)  # [B] lists of chains of up to num_draft tokens
+            sources = self.lookup.sources(state)  # [B] lists of sources: the row's chain, the datastore's tree
         if draft.probs is not None:
             raise ValueError("WithLookup: the inner drafter sampled its draft; only deterministic drafts merge")
-        if not any(chains):
+        if not any(sources):
             return draft
-        rows = [rank_tree(paths + found) for paths, found in zip(node_paths(draft), chains)]  # priority order
+        rows = [rank_tree(paths + [node for nodes in found for node in nodes])  # priority order
+                for paths, found in zip(node_paths(draft), sources)]
         choices = merge_rows(rows, draft.tree.num_nodes - 1 + self.lookup.num_draft)
         return tree_draft(draft.tokens[:, 0], rows, choices, self._trees)
 
