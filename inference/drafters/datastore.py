@@ -1,4 +1,4 @@
-"""A datastore of the target's own text to draft from: the most frequent continuation of the context's last tokens.
+"""A datastore of the target's own text to draft from: the likeliest continuations of the context's last tokens.
 
 Prompt lookup (inference.drafters.prompt_lookup) copies from the request's own prompt and output; a datastore copies
 from a corpus, retrieval-based drafting as in REST (He et al. 2024) and SuffixDecoding (Oliaro et al. 2024). The corpus
