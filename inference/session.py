@@ -77,8 +77,8 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                    help="EAGLE-3 and Medusa: also verify a prompt-lookup chain of up to N tokens each step (what "
                         "followed the latest earlier occurrence of the context's last tokens), grafted onto the tree")
     p.add_argument("--datastore", metavar="PATH",
-                   help="prompt_lookup, and EAGLE-3 and Medusa with --lookup: also draft the most frequent "
-                        "continuation from the target's own text: a feature cache folder (its trained tokens) or a "
+                   help="prompt_lookup, and EAGLE-3 and Medusa with --lookup: also draft a tree of the likeliest "
+                        "continuations from the target's own text: a feature cache folder (its trained tokens) or a "
                         "ShareGPT file or folder of the target's answers")
     p.add_argument("--datastore-grow", type=int, metavar="N",
                    help="where --datastore applies, with it or without: add every answer served to the datastore, "

@@ -238,7 +238,7 @@ def test_prompt_lookup_adds_the_datastore_tree_within_its_nodes():
     draft = both.propose(state_of([[1, 2, 5, 6, 1, 2]]))
     assert draft.tree.choices == ((0,), (0, 0), (0, 1))  # 3 nodes: 5, then 6 and 9 below it; the cap cuts 1 and 9
     assert draft.tokens.tolist() == [[2, 5, 6, 9]]
-    draft = both.propose(state_of([[1, 3, 5, 6, 4, 2]]))  # no earlier 2 in its own text: the datastore's chain
+    draft = both.propose(state_of([[1, 3, 5, 6, 4, 2]]))  # no earlier 2 in its own text: the datastore's tree
     assert draft.tokens.tolist() == [[2, 5, 9, 9]]
 
 

@@ -11,8 +11,9 @@ updated with the committed tokens, so a lookup costs O(max_ngram) whatever the l
 With a datastore (inference.drafters.datastore) a row also drafts the datastore's tree for its context (the target's
 own earlier answers, where a phrase it says often is found: the most likely continuations, best first). The chain and
 the tree merge into one token tree (a shared start drafted once) and take turns, a node at a time, for its
-`num_draft` nodes; a step where one of them has no match gives the other all of them. A datastore that grows (`Datastore.max_served`) gets every answer once its
-generation has ended (`finish`), so a later request drafts from the answers served before it.
+`num_draft` nodes; a step where one of them has no match gives the other all of them. A datastore that grows
+(`Datastore.max_served`) gets every answer once its generation has ended (`finish`), so a later request drafts from the
+answers served before it.
 
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
 the one-hot rule (inference.engine.verify) keep the output exact.

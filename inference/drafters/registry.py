@@ -163,7 +163,7 @@ class DrafterRequest:
         if "lookup" in DRAFTERS[self.type].takes and options.lookup is None:
             name = naming.datastore if options.datastore is not None else naming.datastore_grow.rstrip("=")
             raise UsageError(f"{name} needs {naming.lookup.rstrip('=')} on {self.describe()}: the "
-                             f"datastore's chain shares the N nodes that {naming.lookup.rstrip('=')} N adds to its "
+                             f"datastore's tree shares the N nodes that {naming.lookup.rstrip('=')} N adds to its "
                              f"tree")
         if isinstance(options.datastore, Datastore) and options.datastore_grow is not None:
             raise UsageError(f"{naming.datastore_grow.rstrip('=')} applies to a datastore source (a path) or none; "
@@ -177,7 +177,7 @@ class DrafterRequest:
     def build(self, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
         """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings'); with
         `options.lookup`, its trees carry a prompt-lookup chain too (inference.drafters.with_lookup), and the
-        datastore's continuation with `options.datastore` (a path is read here, ids only; `load` reads it with the
+        datastore's tree with `options.datastore` (a path is read here, ids only; `load` reads it with the
         tokenizer before the model loads)."""
         options = options.with_datastore(None, API)
         if isinstance(options.datastore, Datastore):

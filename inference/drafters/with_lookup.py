@@ -12,9 +12,9 @@ instead of repeating them). With a datastore of the target's own text (inference
 drafts the datastore's tree, best first, after the request's own chain: it gets the lookup's nodes the own chain
 leaves (all of them in a step where the request's own text has no match). A trained drafter and a datastore both
 predict the target's habitual phrasing, a copy from the request is what neither can guess, so here the copy comes
-first (on smollm2, with EAGLE-3's 8-node tree and the datastore's greedy chain: τ 2.35 in this order, 2.30 with the
-two taking turns as prompt lookup alone has them). A step without a match verifies the inner tree alone; the lookup adds at most `num_draft` nodes. Rows of a
-batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
+first (on smollm2, with EAGLE-3's 8-node tree: τ 2.37 in this order, 2.33 with the two taking turns as prompt lookup
+alone has them). A step without a match verifies the inner tree alone; the lookup adds at most `num_draft` nodes. Rows
+of a batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
 
 Drafts of both are deterministic, so greedy verification still returns plain greedy decoding and rejection sampling
 with the one-hot rule stays exact (inference.engine.verify: exact for any deterministic tree). The inner drafter
