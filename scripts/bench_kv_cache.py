@@ -33,7 +33,7 @@ from inference.engine.drafter import DecodeState, NoDrafter  # noqa: E402
 from inference.engine.loop import DecodeConfig, accept, forward_tree, prefill, verify  # noqa: E402
 from inference.kernels.attention import gqa_attention  # noqa: E402
 from inference.kernels.cpu_linear import fast_linears  # noqa: E402
-from inference.session import add_model_args, check_model_args, open_session  # noqa: E402
+from inference.session import add_model_args, open_session  # noqa: E402
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--steps and --rounds must be >= 1")
         if args.drafter:
             raise UsageError("--drafter: this script times the target's cache alone (pass --base)")
-        check_model_args(args)  # everything checkable before a model loads
-        session = open_session(args)  # a base that does not load: ModelLoadError, one line
+        session = open_session(args)  # every model option checked before a model loads; a bad base: one line
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
