@@ -86,6 +86,8 @@ def main(argv=None) -> None:
     for name in args.baselines:
         engines[f"self-distill, {name}"] = Engine(target, NoDrafter(), **BASELINES[name])
     rates: dict[str, list[float]] = {"features": [], **{name: [] for name in engines}}
+    config = SelfDistillConfig(max_new_tokens=args.new_tokens, batch_size=args.batch_size, max_turns=1,
+                               chat_template=settings.chat_template)
     for r in range(args.rounds):
         pick = range(r * args.conversations, (r + 1) * args.conversations)
         samples = [train[i] for i in pick]
@@ -99,8 +101,6 @@ def main(argv=None) -> None:
         for name, engine in list(engines.items())[:: 1 if r % 2 == 0 else -1]:  # alternating which goes first
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "answers.jsonl"
-                config = SelfDistillConfig(max_new_tokens=args.new_tokens, batch_size=args.batch_size, max_turns=1,
-                                           chat_template=settings.chat_template)
                 start = time.perf_counter()
                 stats = self_distill(engine, tokenizer, [(f"c{i}", conversations[i]) for i in pick], out, config)
                 seconds = time.perf_counter() - start
