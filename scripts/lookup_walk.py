@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = load(None, base=args.base, dtype=args.dtype)
         stores = {path: load_datastore(path, engine.tokenizer, label="--datastore") for path in args.datastore}
         grow = {} if args.datastore_grow is None else {
-            path: load_datastore(path, engine.tokenizer, label="--datastore", max_served=args.datastore_grow)
-            for path in [None, *args.datastore]}
+            None: Datastore([], max_served=args.datastore_grow),
+            **{path: store.growing(args.datastore_grow) for path, store in stores.items()}}
     except (UsageError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -170,6 +170,13 @@ def test_a_growing_datastore_keeps_the_latest_served_tokens_and_never_its_corpus
     assert store.num_tokens == 3 and store.num_served == 0 and store.continuation([129], 1) == []
     with pytest.raises(ValueError, match="does not grow"):
         Datastore([[1, 2]]).add([3, 4])
+    fixed = Datastore([[1, 2, 3]])
+    grown = fixed.growing(40)  # the same loaded index, its own served answers
+    grown.add([1, 2, 7, 7])
+    assert grown.loaded is fixed.loaded and grown.num_tokens == 7 and grown.continuation([7], 1) == [7]
+    assert not fixed.grows and fixed.num_tokens == 3 and fixed.continuation([7], 1) == []
+    with pytest.raises(ValueError, match="max_served must be >= 1"):
+        fixed.growing(0)
     with pytest.raises(UsageError, match="token id -2 is outside"):
         Datastore([], max_served=10).add([1, -2])
     assert Datastore([], max_served=10).continuation([1, 2], 4) == []

@@ -31,6 +31,7 @@ one.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 from pathlib import Path
@@ -117,6 +118,15 @@ class Datastore:
             bad = int(ids.min() if ids.min() < 0 else ids.max())
             raise UsageError(f"token id {bad} is outside the target's vocabulary [0, {high})")
         return int(ids.max())
+
+    def growing(self, max_served: int) -> "Datastore":
+        """A datastore over this one's loaded corpus (its index shared, not rebuilt) that grows from no served answer,
+        keeping the latest `max_served` tokens of them; this one is unchanged."""
+        if max_served < 1:
+            raise ValueError(f"Datastore.growing: max_served must be >= 1, got {max_served}")
+        store = copy.copy(self)
+        store.max_served, store.served, store.num_served = max_served, [], 0
+        return store
 
     @property
     def segments(self) -> list[SuffixIndex]:
