@@ -1,16 +1,20 @@
 """The text a datastore drafter copies from (inference.drafters.datastore): assistant tokens, one document per turn.
 
-Sources (`source`, a path):
+Sources (`source`):
     a feature cache folder (manifest.json, see data.features)   the trained tokens of its train split: each run of
                                                                  loss-masked tokens (an assistant turn) is a document;
                                                                  no tokenizer needed, the ids are the cache's own
     a ShareGPT-format file or folder (data.readers)              every assistant turn's text, tokenised by the caller
                                                                  (`encode`), e.g. the self-distilled answers a
                                                                  features job writes to <cache>/self_distill/
-The target's own answers make the best datastore (docs/eagle3.md): a feature cache made with data.self_distill=true
-already holds them. `check_source` checks what it can without a tokenizer; every error is one line naming the source
-(and the file and record where a record is bad). A ShareGPT source is parsed once per process while its files stay
-unchanged: the command line checks it, `load` checks it again and then encodes it, all from one parse.
+    a data recipe's name (conf/data/<name>.yaml), where no      the assistant turns of the recipe's train split, as
+    file or folder has that name, e.g. `sharegpt_v3`            training reads it (curated, decontaminated)
+A datastore spec names one source or several (`sources_of`: joined by commas, or a list); their documents are indexed
+together. The target's own answers make the best small datastore (docs/eagle3.md): a feature cache made with
+data.self_distill=true already holds them; ShareGPT V3's 10M tokens of answers (`sharegpt_v3`) add phrasing they lack.
+`check_source` checks what it can without a tokenizer; every error is one line naming the source (and the file and
+record where a record is bad). A text source is parsed once per process while its files stay unchanged: the command
+line checks it, `load` checks it again and then encodes it, all from one parse.
 """
 
 from __future__ import annotations
@@ -19,12 +23,34 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
+from tqdm.auto import tqdm
+
 from data.chat import IGNORE_INDEX
-from data.errors import DataError
+from data.config import available_data_configs, load_data_config
+from data.datasets import load_conversations
+from data.errors import DataError, UsageError
 from data.features import MANIFEST, FeatureDataset, check_cache
 from data.readers import read_conversations
 
 PARSES_KEPT = 4  # text sources whose parsed answers stay in memory (a walk may compare several)
+SEPARATOR = ","  # between the sources of one datastore spec
+ENCODE_BATCH = 1000  # answers tokenised per call; a bar shows progress past one batch
+Encode = Callable[[Sequence[str]], Sequence[Sequence[int]]]  # texts -> their token ids (no special tokens)
+
+
+def sources_of(spec: str | Path | Sequence[str | Path]) -> tuple[str, ...]:
+    """The sources a datastore spec names: one (a path or a recipe name), several joined by commas, or a list of
+    them; DataError (one line) for an empty spec or an empty name between commas."""
+    parts = [str(spec)] if isinstance(spec, (str, Path)) else [str(s) for s in spec]
+    names = tuple(name.strip() for part in parts for name in part.split(SEPARATOR))
+    if not names or not all(names):
+        raise DataError(f"{spec!r}: a datastore names a source, or several joined by {SEPARATOR!r}, none empty")
+    return names
+
+
+def is_recipe(source: str | Path) -> bool:
+    """Whether `source` names a data recipe (conf/data) rather than a file or folder: no path of that name exists."""
+    return not Path(source).expanduser().exists() and str(source) in available_data_configs()
 
 
 def is_feature_cache(source: str | Path) -> bool:
@@ -35,14 +61,18 @@ def located(source: str | Path) -> Path:
     """`source` as a path that exists; DataError (one line) otherwise."""
     path = Path(source).expanduser()
     if not path.exists():
-        raise DataError(f"{source}: no such file or folder (expected a feature cache folder or a ShareGPT-format "
-                        f"file or folder of the target's answers)")
+        raise DataError(f"{source}: no such file or folder, nor a data recipe (expected a feature cache folder, a "
+                        f"ShareGPT-format file or folder of the target's answers, or one of "
+                        f"{', '.join(available_data_configs())})")
     return path
 
 
 def check_source(source: str | Path) -> None:
     """Raise DataError (one line) when `source` is not a usable datastore source: a feature cache's manifest is
     checked, a ShareGPT source parsed whole (a bad record is named before anything else starts)."""
+    if is_recipe(source):
+        answer_texts(source)
+        return
     path = located(source)
     if is_feature_cache(path):
         check_cache(path, key="")
@@ -51,9 +81,12 @@ def check_source(source: str | Path) -> None:
 
 
 def answer_texts(source: str | Path) -> tuple[str, ...]:
-    """Every non-empty assistant turn of a ShareGPT-format source, in order; the last PARSES_KEPT sources' parses are
-    kept and reused while no file under them changes (size or modification time): a source is checked on the command
-    line, then read to be encoded, and a walk over several sources checks them all before it reads any."""
+    """Every non-empty assistant turn of a ShareGPT-format source or a recipe's train split, in order; the last
+    PARSES_KEPT sources' parses are kept and reused while no file under them changes (size or modification time): a
+    source is checked on the command line, then read to be encoded, and a walk over several sources checks them all
+    before it reads any."""
+    if is_recipe(source):
+        return _recipe_answers(str(source))
     path = Path(source).expanduser()
     return _parsed_answers(str(source), path.resolve(), file_signature(path))
 
@@ -80,6 +113,21 @@ def _parsed_answers(source: str, resolved: Path, signature: tuple) -> tuple[str,
     return texts
 
 
+@lru_cache(maxsize=PARSES_KEPT)
+def _recipe_answers(name: str) -> tuple[str, ...]:
+    """answer_texts of the recipe conf/data/<name>.yaml: its train split as build_datasets reads it."""
+    try:
+        conversations = load_conversations(load_data_config(name, flag="datastore recipe"), "train")
+    except (UsageError, ValueError, OSError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"{name}: the data recipe's train split cannot be read: {message}") from None
+    texts = tuple(m["content"] for conversation in conversations for m in conversation
+                  if m["role"] == "assistant" and m["content"].strip())
+    if not texts:
+        raise DataError(f"{name}: the data recipe's train split has no assistant turn to copy from")
+    return texts
+
+
 def cache_documents(folder: str | Path, tokenizer_hash: str | None = None) -> list[list[int]]:
     """The trained-token runs of a complete feature cache's train split; `tokenizer_hash` (models.fingerprint) refuses
     a cache made with another tokenizer."""
@@ -101,13 +149,22 @@ def cache_documents(folder: str | Path, tokenizer_hash: str | None = None) -> li
     return documents
 
 
-def corpus_documents(source: str | Path, encode: Callable[[str], Sequence[int]] | None = None,
-                     tokenizer_hash: str | None = None) -> list[list[int]]:
-    """Token-id documents of `source` (see the module docstring); a ShareGPT source needs `encode` (text -> ids)."""
-    path = located(source)
-    if is_feature_cache(path):
-        return cache_documents(path, tokenizer_hash)
+def corpus_documents(source: str | Path, encode: Encode | None = None, tokenizer_hash: str | None = None,
+                     end: int | None = None) -> list[Sequence[int]]:
+    """Token-id documents of `source` (see the module docstring). A text source needs `encode` (a batch of texts ->
+    their ids), and each of its answers is followed by `end` when given (the token that ends an answer, as a feature
+    cache's trained tokens end with it); a bar shows the encoding of a large one."""
+    if not is_recipe(source) and is_feature_cache(located(source)):
+        return cache_documents(source, tokenizer_hash)
     if encode is None:
         raise DataError(f"{source}: a text source needs the target's tokenizer; this engine has none (pass a feature "
                         f"cache folder, which stores token ids)")
-    return [list(encode(text)) for text in answer_texts(path)]
+    texts = answer_texts(source)
+    documents: list[Sequence[int]] = []
+    with tqdm(total=len(texts), desc=f"datastore {source}: tokenising answers", unit="answer",
+              disable=len(texts) <= ENCODE_BATCH) as bar:
+        for start in range(0, len(texts), ENCODE_BATCH):
+            batch = texts[start : start + ENCODE_BATCH]
+            documents += [list(ids) + ([] if end is None else [end]) for ids in encode(batch)]
+            bar.update(len(batch))
+    return documents

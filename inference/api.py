@@ -270,7 +270,7 @@ def load(
     tokenizer: str | Path | None = None,
     chat_template: str | None = None,
     lookup: int | None = None,
-    datastore: str | Path | None = None,
+    datastore: str | Path | Sequence[str | Path] | None = None,
     datastore_grow: int | None = None,
 ) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
@@ -297,8 +297,9 @@ def load(
     token_counts.safetensors): a cheaper projection, the same lossless verification. `lookup=N` (EAGLE-3 and Medusa)
     grafts a prompt-lookup chain of up to N tokens onto every tree the drafter proposes, verified in the same forward
     (inference.drafters.with_lookup). `datastore` (prompt_lookup, and EAGLE-3 and Medusa with `lookup`) also drafts
-    a tree of the likeliest continuations from a corpus of the target's own text: a feature cache folder or a
-    ShareGPT file or folder of its answers (inference.drafters.datastore). `datastore_grow=N` (where `datastore`
+    a tree of the likeliest continuations from a corpus of text: a feature cache folder, a ShareGPT file or folder of
+    the target's answers, or a data recipe's name such as "sharegpt_v3" (its train split's answers), several joined by
+    commas or given as a list and indexed together (data.datastore, inference.drafters.datastore). `datastore_grow=N` (where `datastore`
     applies, with a `datastore` or without one) adds every answer the engine serves to the datastore, keeping about
     the latest N tokens of them, so later requests draft from earlier answers too (SuffixDecoding's global tree); each
     generation stays exact, but how much a request gains then depends on what was served before it. Every argument is

@@ -76,10 +76,11 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--lookup", type=int, metavar="N",
                    help="EAGLE-3 and Medusa: also verify a prompt-lookup chain of up to N tokens each step (what "
                         "followed the latest earlier occurrence of the context's last tokens), grafted onto the tree")
-    p.add_argument("--datastore", metavar="PATH",
+    p.add_argument("--datastore", metavar="SOURCE[,SOURCE...]",
                    help="prompt_lookup, and EAGLE-3 and Medusa with --lookup: also draft a tree of the likeliest "
-                        "continuations from the target's own text: a feature cache folder (its trained tokens) or a "
-                        "ShareGPT file or folder of the target's answers")
+                        "continuations from a corpus: a feature cache folder (its trained tokens), a ShareGPT file or "
+                        "folder of the target's answers, or a data recipe's name such as sharegpt_v3 (its train "
+                        "split's answers); several, joined by commas, are indexed together")
     p.add_argument("--datastore-grow", type=int, metavar="N",
                    help="where --datastore applies, with it or without: add every answer served to the datastore, "
                         "keeping about the latest N tokens of them, so later requests draft from earlier answers")

@@ -3,7 +3,7 @@ target's greedy answers, no tree forward.
 
     python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self
     python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self --datastore answers.jsonl \
-        --num-draft 8,16 --questions self_instruct:16:spread
+        --datastore features/smollm2-self,sharegpt_v3 --num-draft 8,16 --questions self_instruct:16:spread
     python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self --datastore-grow 1000000 \
         --questions gsm8k:24:spread --orders 5
 
@@ -33,11 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from data.datastore import check_source  # noqa: E402
 from data.errors import UsageError  # noqa: E402
 from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
-from inference.drafters.datastore import Datastore, load_datastore, source_error  # noqa: E402
+from inference.drafters.datastore import Datastore, check_spec, load_datastore  # noqa: E402
 from inference.drafters.path_trees import chain_nodes, merge_rows, rank_tree  # noqa: E402
 from inference.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter  # noqa: E402
 
@@ -97,8 +96,10 @@ class Drafts:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python scripts/lookup_walk.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the target (a conf/model name, a folder, a hub id)")
-    p.add_argument("--datastore", action="append", default=[], metavar="PATH",
-                   help="a feature cache folder or a ShareGPT file or folder of the target's answers; repeatable")
+    p.add_argument("--datastore", action="append", default=[], metavar="SOURCE[,SOURCE...]",
+                   help="a feature cache folder, a ShareGPT file or folder of the target's answers, or a data "
+                        "recipe's name (sharegpt_v3); several joined by commas make one datastore; repeatable: a row "
+                        "each")
     p.add_argument("--num-draft", default="8", help="comma list of node budgets N (default 8)")
     p.add_argument("--questions", default="mt_bench:8:spread,gsm8k:4:spread,humaneval:4:spread",
                    help="bench prompt sets or a question file (first turns)")
@@ -126,11 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:  # every input is checked before the model loads
-        for path in args.datastore:
-            try:
-                check_source(path)
-            except UsageError as err:
-                raise source_error("--datastore", path, err) from None
+        for spec in args.datastore:
+            check_spec(spec, "--datastore")
         questions, _ = load_questions(args.questions)
         engine = load(None, base=args.base, dtype=args.dtype)
         stores = {path: load_datastore(path, engine.tokenizer, label="--datastore") for path in args.datastore}

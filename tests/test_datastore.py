@@ -15,7 +15,9 @@ from transformers import DynamicCache
 
 import data.datastore as data_datastore
 import inference.api as api
-from data.datastore import answer_texts, check_source
+from data.config import load_data_config
+from data.datasets import load_conversations
+from data.datastore import answer_texts, check_source, is_recipe
 from data.errors import UsageError
 from inference.api import load
 from inference.bench.methods import EngineRunner, Sampling
@@ -23,7 +25,7 @@ from inference.bench.run import warm_up
 from inference.drafters.datastore import Datastore, load_datastore
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
-from inference.drafters.registry import LoadOptions, build_training_free, resolve
+from inference.drafters.registry import CLI, LoadOptions, build_training_free, resolve
 from inference.drafters.with_lookup import WithLookup
 from inference.engine.drafter import DecodeState
 from inference.engine.loop import DecodeConfig, generate
@@ -198,10 +200,43 @@ def test_a_sharegpt_source_gives_one_document_per_assistant_turn(tmp_path):
     tokenizer = tiny_tokenizer()
     path = sharegpt_file(tmp_path, [chat("hi", "hello world", "have a nice day"), chat("who?", "I am a helpful")])
     store = load_datastore(path, tokenizer)
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("hello world", "have a nice day",
-                                                                              "I am a helpful")]
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # an answer ends
+               for t in ("hello world", "have a nice day", "I am a helpful")]
     assert store.num_documents == 3 and store.num_tokens == sum(map(len, encoded))
     assert store.continuation(encoded[1][:1], 20) == encoded[1][1:]
+
+
+def test_a_spec_of_several_sources_and_a_recipe_indexes_them_together(tmp_path, monkeypatch):
+    """"a,b" and ["a", "b"] name the same datastore; a data recipe's name (here the built-in chat corpus) reads the
+    assistant turns of its train split, as training reads them; a file of a recipe's name is a file."""
+    tokenizer = tiny_tokenizer()
+    file = sharegpt_file(tmp_path, [chat("hi", "hello world")])
+    recipe = [m["content"] for c in load_conversations(load_data_config("default"), "train") for m in c
+              if m["role"] == "assistant" and m["content"].strip()]
+    assert is_recipe("default") and answer_texts("default") == tuple(recipe)
+    joined, listed = load_datastore(f"{file}, default", tokenizer), load_datastore([file, "default"], tokenizer)
+    assert joined.num_documents == listed.num_documents == 1 + len(recipe)
+    assert joined.num_tokens == listed.num_tokens == load_datastore(file, tokenizer).num_tokens + sum(
+        len(ids) + 1 for ids in tokenizer(recipe, add_special_tokens=False)["input_ids"])
+    monkeypatch.chdir(tmp_path)
+    Path("default").write_text(json.dumps(chat("hi", "a file named like a recipe")) + "\n")
+    assert not is_recipe("default") and answer_texts("default") == ("a file named like a recipe",)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("{file},", "a datastore names a source, or several joined by ',', none empty"),
+    ("{file},{missing}", "{missing}: no such file or folder, nor a data recipe"),
+    ("jsonl", "jsonl: the data recipe's train split cannot be read: data.path is required"),
+])
+def test_a_bad_source_among_several_is_named_in_one_line(tmp_path, spec, needle):
+    file, missing = sharegpt_file(tmp_path, [chat("hi", "hello")]), str(tmp_path / "nope")
+    spec, needle = spec.format(file=file, missing=missing), needle.format(missing=missing)
+    for check in (lambda: resolve("prompt_lookup", base="builtin:tiny").check(LoadOptions(datastore=spec), CLI),
+                  lambda: load_datastore(spec, tiny_tokenizer(), label="--datastore")):
+        with pytest.raises(UsageError) as err:
+            check()
+        message = str(err.value)
+        assert message.startswith("--datastore=") and needle in message and "\n" not in message, message
 
 
 @pytest.mark.parametrize("case", ["missing", "bad_line", "no_answer", "no_tokenizer"])
@@ -403,3 +438,16 @@ def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tin
     growing = script.Drafts(4, Datastore([], max_served=10_000))
     assert script.walk_all(cases, growing, 4) == pytest.approx(tokens / forwards, abs=1e-12)
     assert script.walk_all(cases, script.Drafts(4, None), 4) < tokens / forwards
+
+
+def test_the_lookup_walk_refuses_a_bad_datastore_spec_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
+
+    script = load_script("lookup_walk")
+    monkeypatch.setattr(script, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    good, missing = sharegpt_file(tmp_path, [chat("hi", "hello")]), str(tmp_path / "nope")
+    for spec, needle in ((f"{good},{missing}", f"--datastore={missing}: no such file or folder"),
+                         (f"{good},", "--datastore='")):
+        assert script.main(["--base", "builtin:tiny", "--datastore", good, "--datastore", spec]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err

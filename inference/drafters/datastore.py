@@ -16,8 +16,8 @@ greedy chain: the most frequent next token, appended, up to n times.
 
 Index: every corpus position's next `max_match + 1` tokens, as one big-endian byte string, sorted (a suffix array cut
 at that depth). All positions starting with a pattern form one range of it, found by binary search, so a lookup costs
-O(max_match log N) whatever the corpus size; memory is 4 (max_match + 3) bytes a token (5 MB for the 179k tokens of
-the CPU recipe's answers, max_match 4).
+O(max_match log N) whatever the corpus size; memory is 4 (max_match + 3) bytes a token (4 MB for the 179k tokens of
+the CPU recipe's answers, 245 MB for ShareGPT V3's 10.2M, at the default MAX_MATCH 3).
 
 Growing while serving (`max_served` > 0, as SuffixDecoding's global tree): `add` indexes each answer the engine has
 served, so later requests draft from it too. Served answers go into segments of their own, oldest first; the newest
@@ -34,15 +34,18 @@ from __future__ import annotations
 import copy
 import heapq
 import itertools
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from data.datastore import corpus_documents
+from data.datastore import SEPARATOR, check_source, corpus_documents, sources_of
 from data.errors import UsageError
 from models.fingerprint import tokenizer_fingerprint
 
+MAX_MATCH = 3  # the longest context suffix matched: 3 drafted more than 4, 6 or 8 on every prompt set (docs/eagle3.md)
+INDEX_NOTICE = 1_000_000  # corpora this large say so before indexing (about 0.7 s a million tokens on 2 cores)
 MAX_SCAN = 4096  # occurrences counted per lookup and segment at most (evenly spaced over the range): O(1) a lookup
 TREE_BRANCH = 8  # children of a node `Datastore.tree` weighs at most: its most frequent next tokens
 NO_TOKENS = np.zeros(0, np.int64)
@@ -95,7 +98,7 @@ class Datastore:
     `max_served` > 0: `add` keeps about the latest `max_served` tokens of served answers too (see the module
     docstring); such a datastore may start without documents."""
 
-    def __init__(self, documents: Sequence[Sequence[int]], max_match: int = 4, vocab_size: int | None = None,
+    def __init__(self, documents: Sequence[Sequence[int]], max_match: int = MAX_MATCH, vocab_size: int | None = None,
                  max_served: int = 0) -> None:
         if max_match < 1:
             raise ValueError(f"Datastore: max_match must be >= 1, got {max_match}")
@@ -221,17 +224,48 @@ def source_error(label: str, source: str | Path, err: Exception) -> UsageError:
     return UsageError(f"{label}={message}" if message.startswith(str(source)) else f"{label}={source}: {message}")
 
 
-def load_datastore(source: str | Path | None, tokenizer: Any = None, label: str = "datastore",
+def check_spec(spec: str | Path | Sequence[str | Path], label: str = "datastore") -> tuple[str, ...]:
+    """The sources of a datastore spec, each checked as far as it can be without a tokenizer (data.datastore:
+    check_source); UsageError, one line starting with `label`=, for the first bad one."""
+    try:
+        sources = sources_of(spec)
+    except UsageError as err:
+        raise UsageError(f"{label}={err}") from None
+    for source in sources:
+        try:
+            check_source(source)
+        except UsageError as err:
+            raise source_error(label, source, err) from None
+    return sources
+
+
+def load_datastore(spec: str | Path | Sequence[str | Path] | None, tokenizer: Any = None, label: str = "datastore",
                    max_served: int = 0) -> Datastore:
-    """The Datastore of `source` (data.datastore: a feature cache, or a ShareGPT file or folder tokenised with
-    `tokenizer`; None: no corpus, for a datastore that grows from `max_served` > 0 alone). A cache made with another
+    """The Datastore of `spec` (data.datastore: a source or several, each a feature cache, a ShareGPT file or folder,
+    or a data recipe's name, the text ones tokenised with `tokenizer` and each answer ended by its end-of-sequence
+    token; None: no corpus, for a datastore that grows from `max_served` > 0 alone). A cache made with another
     tokenizer or unreadable data raise UsageError, one line starting with `label`=source. (The target's vocabulary is
     checked against `Datastore.max_id` where the target is loaded.)"""
-    if source is None:
+    if spec is None:
         return Datastore([], max_served=max_served)
-    encode = None if tokenizer is None else (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
-    fingerprint = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
     try:
-        return Datastore(corpus_documents(source, encode, fingerprint), max_served=max_served)
+        sources = sources_of(spec)
     except UsageError as err:
-        raise source_error(label, source, err) from None
+        raise UsageError(f"{label}={err}") from None
+    encode = end = fingerprint = None
+    if tokenizer is not None:
+        encode = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # noqa: E731
+        end, fingerprint = tokenizer.eos_token_id, tokenizer_fingerprint(tokenizer)
+    documents: list[Sequence[int]] = []
+    for source in sources:
+        try:
+            documents += corpus_documents(source, encode, fingerprint, end)
+        except UsageError as err:
+            raise source_error(label, source, err) from None
+    size = sum(map(len, documents))
+    if size >= INDEX_NOTICE:
+        print(f"datastore {SEPARATOR.join(sources)}: indexing {size:,} tokens", file=sys.stderr, flush=True)
+    try:
+        return Datastore(documents, max_served=max_served)
+    except UsageError as err:
+        raise UsageError(f"{label}={SEPARATOR.join(sources)}: {err}") from None

@@ -29,14 +29,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from data.datastore import check_source
 from data.errors import UsageError
 from data.locations import is_local
-from inference.drafters.datastore import Datastore, load_datastore, source_error
+from inference.drafters.datastore import Datastore, check_spec, load_datastore
 from inference.drafters.draft_model import build_draft_model_drafter
 from inference.drafters.draft_stop import check_stop_spec
 from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
@@ -71,9 +70,9 @@ class LoadOptions:
     draft_stop: str | None = None  # draft models only (inference.drafters.draft_stop)
     head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
     lookup: int | None = None  # tree drafters: graft a prompt-lookup chain of up to N tokens onto each tree
-    # prompt lookup (alone or grafted by `lookup`): also draft from this corpus of the target's text; a source path
-    # (data.datastore) until `with_datastore` reads it, then the Datastore
-    datastore: str | Path | Datastore | None = None
+    # prompt lookup (alone or grafted by `lookup`): also draft from this corpus of the target's text; a spec (a source
+    # or several, joined by commas or listed: data.datastore) until `with_datastore` reads it, then the Datastore
+    datastore: str | Path | Sequence[str | Path] | Datastore | None = None
     # with `datastore` or without: every answer served is added to the datastore, the latest N tokens kept
     datastore_grow: int | None = None
 
@@ -169,10 +168,7 @@ class DrafterRequest:
             raise UsageError(f"{naming.datastore_grow.rstrip('=')} applies to a datastore source (a path) or none; "
                              f"a Datastore object grows when built with max_served > 0")
         if options.datastore is not None and not isinstance(options.datastore, Datastore):
-            try:
-                check_source(options.datastore)
-            except UsageError as err:
-                raise source_error(naming.datastore, options.datastore, err) from None
+            check_spec(options.datastore, naming.datastore)
 
     def build(self, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
         """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings'); with
