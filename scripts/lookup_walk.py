@@ -150,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     shuffles = [random.Random(args.seed + i).sample(cases, len(cases)) for i in range(args.orders)]
     total = sum(len(answer) for _, answer in cases)
     print(f"{len(cases)} prompts (--questions {args.questions}), {total} answer tokens, greedy, {args.dtype}")
-    print(f"{'drafter':60}{'nodes':>7}{'walk τ':>9}   growing: mean [min, max] over {args.orders} shuffles")
+    width = max(60, *(len(name) + 2 for name, _, _ in rows))
+    print(f"{'drafter':{width}}{'nodes':>7}{'walk τ':>9}   growing: mean [min, max] over {args.orders} shuffles")
     for budget in args.budgets:
         for name, store, mode in rows:
             draft = Drafts(budget, store, mode)
-            line = f"{name:60}{'≤ ' + str(budget + 1):>7}{walk_all(cases, draft, budget):9.3f}"
+            line = f"{name:{width}}{'≤ ' + str(budget + 1):>7}{walk_all(cases, draft, budget):9.3f}"
             if store is not None and store.grows:
                 taus = [walk_all(order, draft, budget) for order in shuffles]
                 line += f"   {statistics.mean(taus):.3f} [{min(taus):.3f}, {max(taus):.3f}]"
