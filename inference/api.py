@@ -299,11 +299,12 @@ def load(
     (inference.drafters.with_lookup). `datastore` (prompt_lookup, and EAGLE-3 and Medusa with `lookup`) also drafts
     a tree of the likeliest continuations from a corpus of text: a feature cache folder, a ShareGPT file or folder of
     the target's answers, or a data recipe's name such as "sharegpt_v3" (its train split's answers), several joined by
-    commas or given as a list and indexed together (data.datastore, inference.drafters.datastore). `datastore_grow=N` (where `datastore`
-    applies, with a `datastore` or without one) adds every answer the engine serves to the datastore, keeping about
-    the latest N tokens of them, so later requests draft from earlier answers too (SuffixDecoding's global tree); each
-    generation stays exact, but how much a request gains then depends on what was served before it. Every argument is
-    checked, and the tokenizer and the datastore loaded, before the model loads."""
+    commas or given as a list and indexed together (data.datastore, inference.drafters.datastore).
+    `datastore_grow=N` (where `datastore` applies, with a `datastore` or without one) adds every answer the engine
+    serves to the datastore, keeping about the latest N tokens of them, so later requests draft from earlier answers
+    too (SuffixDecoding's global tree); each generation stays exact, but how much a request gains then depends on what
+    was served before it. Every argument is checked, and the tokenizer and the datastore loaded, before the model
+    loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
     options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
                           datastore=datastore, datastore_grow=datastore_grow)
