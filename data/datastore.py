@@ -106,11 +106,7 @@ def _size_mtime(file: Path) -> tuple[int, int]:
 def _parsed_answers(source: str, resolved: Path, signature: tuple) -> tuple[str, ...]:
     """answer_texts' parse, cached by `source` as given, its resolved path and its files' signature."""
     read = read_conversations(Path(source).expanduser(), "sharegpt", on_error="raise")
-    texts = tuple(m["content"] for conversation in read.conversations for m in conversation
-                  if m["role"] == "assistant" and m["content"].strip())
-    if not texts:
-        raise DataError(f"{source}: no assistant turn to copy from")
-    return texts
+    return _assistant_texts(read.conversations, f"{source}: no assistant turn to copy from")
 
 
 @lru_cache(maxsize=PARSES_KEPT)
@@ -121,10 +117,15 @@ def _recipe_answers(name: str) -> tuple[str, ...]:
     except (UsageError, ValueError, OSError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"{name}: the data recipe's train split cannot be read: {message}") from None
+    return _assistant_texts(conversations, f"{name}: the data recipe's train split has no assistant turn to copy from")
+
+
+def _assistant_texts(conversations: Sequence[Sequence[dict]], empty: str) -> tuple[str, ...]:
+    """Every non-empty assistant turn of `conversations`, in order; DataError(`empty`) when there is none."""
     texts = tuple(m["content"] for conversation in conversations for m in conversation
                   if m["role"] == "assistant" and m["content"].strip())
     if not texts:
-        raise DataError(f"{name}: the data recipe's train split has no assistant turn to copy from")
+        raise DataError(empty)
     return texts
 
 

@@ -224,13 +224,18 @@ def source_error(label: str, source: str | Path, err: Exception) -> UsageError:
     return UsageError(f"{label}={message}" if message.startswith(str(source)) else f"{label}={source}: {message}")
 
 
+def labelled_sources(spec: str | Path | Sequence[str | Path], label: str) -> tuple[str, ...]:
+    """data.datastore.sources_of(spec); its one-line error starts with `label`=."""
+    try:
+        return sources_of(spec)
+    except UsageError as err:
+        raise UsageError(f"{label}={err}") from None
+
+
 def check_spec(spec: str | Path | Sequence[str | Path], label: str = "datastore") -> tuple[str, ...]:
     """The sources of a datastore spec, each checked as far as it can be without a tokenizer (data.datastore:
     check_source); UsageError, one line starting with `label`=, for the first bad one."""
-    try:
-        sources = sources_of(spec)
-    except UsageError as err:
-        raise UsageError(f"{label}={err}") from None
+    sources = labelled_sources(spec, label)
     for source in sources:
         try:
             check_source(source)
@@ -248,10 +253,7 @@ def load_datastore(spec: str | Path | Sequence[str | Path] | None, tokenizer: An
     checked against `Datastore.max_id` where the target is loaded.)"""
     if spec is None:
         return Datastore([], max_served=max_served)
-    try:
-        sources = sources_of(spec)
-    except UsageError as err:
-        raise UsageError(f"{label}={err}") from None
+    sources = labelled_sources(spec, label)
     encode = end = fingerprint = None
     if tokenizer is not None:
         encode = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # noqa: E731
