@@ -272,6 +272,7 @@ def load(
     lookup: int | None = None,
     datastore: str | Path | Sequence[str | Path] | None = None,
     datastore_grow: int | None = None,
+    datastore_smoothing: str | None = None,
 ) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
@@ -303,11 +304,13 @@ def load(
     `datastore_grow=N` (where `datastore` applies, with a `datastore` or without one) adds every answer the engine
     serves to the datastore, keeping about the latest N tokens of them, so later requests draft from earlier answers
     too (SuffixDecoding's global tree); each generation stays exact, but how much a request gains then depends on what
-    was served before it. Every argument is checked, and the tokenizer and the datastore loaded, before the model
+    was served before it. `datastore_smoothing` (with either) sets how the datastore's counts make the next token's
+    distribution: "witten_bell" (the default; interpolated over the matched suffixes' lengths) or "longest" (the
+    longest match's counts alone, as REST and SuffixDecoding). Every argument is checked, and the tokenizer and the datastore loaded, before the model
     loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
     options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
-                          datastore=datastore, datastore_grow=datastore_grow)
+                          datastore=datastore, datastore_grow=datastore_grow, datastore_smoothing=datastore_smoothing)
     request.check(options, API)
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")

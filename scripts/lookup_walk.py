@@ -6,6 +6,7 @@ target's greedy answers, no tree forward.
         --datastore features/smollm2-self,sharegpt_v3 --num-draft 8,16 --questions self_instruct:16:spread
     python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self --datastore-grow 1000000 \
         --questions gsm8k:24:spread --orders 5
+    python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --datastore-smoothing witten_bell,longest
 
 Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
 engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
@@ -18,6 +19,8 @@ datastore's greedy chain in place of its tree (what the tree buys); at each N of
 --datastore-grow, also prompt lookup with a datastore that grows while serving (each answer joins it once replayed,
 as `load(..., datastore_grow=N)` does), from nothing and from each datastore: τ in the questions' order, and the mean
 and range over --orders shuffles of them (what a request gains then depends on what was served before it).
+Every datastore row is walked with each of --datastore-smoothing's distributions (inference.drafters.datastore:
+Witten-Bell interpolation over the matched suffixes, or the longest match's counts), over one index.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from data.errors import UsageError  # noqa: E402
 from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
-from inference.drafters.datastore import Datastore, check_spec, load_datastore  # noqa: E402
+from inference.drafters.datastore import SMOOTHINGS, Datastore, check_spec, load_datastore  # noqa: E402
 from inference.drafters.path_trees import chain_nodes, merge_rows, rank_tree  # noqa: E402
 from inference.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter  # noqa: E402
 
@@ -101,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "recipe's name (sharegpt_v3); several joined by commas make one datastore; repeatable: a row "
                         "each")
     p.add_argument("--num-draft", default="8", help="comma list of node budgets N (default 8)")
+    p.add_argument("--datastore-smoothing", default=SMOOTHINGS[0],
+                   help=f"comma list of the datastore's next-token distributions ({', '.join(SMOOTHINGS)}; default "
+                        f"{SMOOTHINGS[0]}): the datastore rows, once each")
     p.add_argument("--questions", default="mt_bench:8:spread,gsm8k:4:spread,humaneval:4:spread",
                    help="bench prompt sets or a question file (first turns)")
     p.add_argument("--datastore-grow", type=int, metavar="N",
@@ -115,6 +121,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.budgets = [int(n) for n in args.num_draft.split(",")]
     except ValueError:
         p.error(f"--num-draft takes a comma list of whole numbers, got {args.num_draft!r}")
+    args.smoothings = args.datastore_smoothing.split(",")
+    for smoothing in args.smoothings:
+        if smoothing not in SMOOTHINGS:
+            p.error(f"--datastore-smoothing takes a comma list of {', '.join(SMOOTHINGS)}, got {smoothing!r}")
     if args.max_new_tokens < 1 or min(args.budgets) < 1:
         p.error("--max-new-tokens and --num-draft take positive numbers")
     if (args.datastore_grow is not None and args.datastore_grow < 1) or args.orders < 1:
@@ -131,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             check_spec(spec, "--datastore")
         questions, _ = load_questions(args.questions)
         engine = load(None, base=args.base, dtype=args.dtype)
-        stores = {path: load_datastore(path, engine.tokenizer, label="--datastore") for path in args.datastore}
+        loaded = {path: load_datastore(path, engine.tokenizer, label="--datastore") for path in args.datastore}
+        stores = {row_name(path, smoothing, args.smoothings): store.smoothed(smoothing)
+                  for path, store in loaded.items() for smoothing in args.smoothings}
         grow = {} if args.datastore_grow is None else {
-            None: Datastore([], max_served=args.datastore_grow),
+            **{row_name("nothing", smoothing, args.smoothings):
+               Datastore([], max_served=args.datastore_grow, smoothing=smoothing) for smoothing in args.smoothings},
             **{path: store.growing(args.datastore_grow) for path, store in stores.items()}}
     except (UsageError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -146,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += [(f"datastore {path}", store, "store") for path, store in stores.items()]
     rows += [(f"prompt lookup + {path}", store, "lookup") for path, store in stores.items()]
     rows += [(f"prompt lookup + {path}, its greedy chain", store, "chains") for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path or 'nothing'}, growing", store, "lookup") for path, store in grow.items()]
+    rows += [(f"prompt lookup + {path}, growing", store, "lookup") for path, store in grow.items()]
     shuffles = [random.Random(args.seed + i).sample(cases, len(cases)) for i in range(args.orders)]
     total = sum(len(answer) for _, answer in cases)
     print(f"{len(cases)} prompts (--questions {args.questions}), {total} answer tokens, greedy, {args.dtype}")
@@ -161,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
                 line += f"   {statistics.mean(taus):.3f} [{min(taus):.3f}, {max(taus):.3f}]"
             print(line, flush=True)
     return 0
+
+
+def row_name(spec: str, smoothing: str, smoothings: list[str]) -> str:
+    """A datastore row's name: its spec, and its smoothing where several are walked."""
+    return spec if len(smoothings) == 1 else f"{spec} ({smoothing})"
 
 
 def walk_all(cases: list[tuple[list[int], list[int]]], draft: Drafts, budget: int) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from data.errors import UsageError
 from inference.api import load
 from inference.bench.methods import EngineRunner, Sampling
 from inference.bench.run import warm_up
-from inference.drafters.datastore import Datastore, load_datastore
+from inference.drafters.datastore import SMOOTHINGS, Datastore, load_datastore
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.drafters.registry import CLI, LoadOptions, build_training_free, resolve
@@ -60,8 +61,9 @@ def naive_continuation(docs: list[list[int]], context: list[int], length: int, m
     return out
 
 
-def test_continuation_examples_and_brute_force():
-    store = Datastore([[1, 2, 3, 4], [1, 2, 3, 4], [9, 2, 3, 5]])
+@pytest.mark.parametrize("smoothing", SMOOTHINGS)
+def test_continuation_examples_and_brute_force(smoothing):
+    store = Datastore([[1, 2, 3, 4], [1, 2, 3, 4], [9, 2, 3, 5]], smoothing=smoothing)
     assert store.continuation([9, 2, 3], 8) == [5]  # the longest match "9 2 3" wins over the frequent "2 3" -> 4
     assert store.continuation([7, 2, 3], 8) == [4]  # "2 3" -> 4, 4, 5; after 4 a document ends: nothing follows
     assert store.continuation([8], 4) == [] and store.continuation([5], 4) == []  # unknown, and only at an end
@@ -74,42 +76,106 @@ def test_continuation_examples_and_brute_force():
         docs = [[rng.randrange(6) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 5))]
         context = [rng.randrange(7) for _ in range(rng.randint(1, 8))]
         max_match = rng.randint(1, 4)
-        expected = naive_continuation(docs, context, 6, max_match)
-        assert Datastore(docs, max_match=max_match).continuation(context, 6) == expected, (docs, context)
+        draft = Datastore(docs, max_match=max_match, smoothing=smoothing).continuation(context, 6)
+        if smoothing == "longest":
+            assert draft == naive_continuation(docs, context, 6, max_match), (docs, context)
+        for i, token in enumerate(draft + [None]):  # each token a likeliest one; it stops where nothing follows
+            probs = naive_next(docs, context + draft[:i], max_match, smoothing)
+            if token is None:
+                assert len(draft) == 6 or not probs, (docs, context, draft)
+            else:
+                assert float(probs[token]) == pytest.approx(float(max(probs.values()))), (docs, context, draft)
 
 
-def naive_next(docs: list[list[int]], seq: list[int], max_match: int) -> Counter:
-    """Reference: the next tokens after the longest suffix of `seq` (<= max_match) that some document continues."""
-    for n in range(min(max_match, len(seq)), 0, -1):
-        pattern = seq[len(seq) - n :]
-        following = Counter(d[i + n] for d in docs for i in range(len(d) - n) if d[i : i + n] == pattern)
-        if following:
-            return following
-    return Counter()
+def following(docs: list[list[int]], pattern: list[int]) -> Counter:
+    return Counter(d[i + len(pattern)] for d in docs for i in range(len(d) - len(pattern)) if d[i : i + len(pattern)]
+                   == pattern)
 
 
-def naive_scores(docs: list[list[int]], context: list[int], depth: int, max_match: int) -> dict[tuple, float]:
+def naive_next(docs: list[list[int]], seq: list[int], max_match: int, smoothing: str) -> dict[int, Fraction]:
+    """Reference, in exact fractions: the next token's distribution after `seq`. "longest": the counts after its
+    longest suffix (<= max_match) that some document continues. "witten_bell": p_1 = c_1 / C_1, then for each longer
+    suffix that occurs with a next token p_n = λ_n c_n / C_n + (1 - λ_n) p_{n-1}, λ_n = C_n / (C_n + T_n)."""
+    levels = []
+    for n in range(1, min(max_match, len(seq)) + 1):
+        counts = following(docs, seq[len(seq) - n :])
+        if not counts:
+            break
+        levels.append(counts)
+    if not levels:
+        return {}
+    if smoothing == "longest":
+        total = sum(levels[-1].values())
+        return {token: Fraction(count, total) for token, count in levels[-1].items()}
+    probs: dict[int, Fraction] = {}
+    for n, counts in enumerate(levels, 1):
+        total = sum(counts.values())
+        weight = Fraction(1) if n == 1 else Fraction(total, total + len(counts))
+        probs = {token: weight * Fraction(counts[token], total) + (1 - weight) * probs.get(token, 0)
+                 for token in set(probs) | set(counts)}
+    return probs
+
+
+def test_witten_bell_interpolates_the_suffixes_counts_and_remembers_until_the_store_changes():
+    docs = [[1, 2, 3], [1, 2, 4], [1, 2, 3], [2, 5]]
+    store = Datastore(docs, max_served=100)
+    # "2" -> 3, 3, 4, 5 and "1 2" -> 3, 3, 4: λ_2 = 3 / (3 + 2), p(3) = 0.6 (2/3) + 0.4 (2/4) = 0.6
+    tokens, probs, n = store.next_probs([7, 1, 2])
+    assert tokens.tolist() == [3, 4, 5] and probs.tolist() == pytest.approx([0.6, 0.3, 0.1]) and n == 2
+    longest = store.smoothed("longest")  # the same index, the longest suffix's counts alone
+    assert longest.loaded is store.loaded and store.smoothing == "witten_bell"
+    tokens, probs, n = longest.next_probs([7, 1, 2])
+    assert tokens.tolist() == [3, 4] and probs.tolist() == pytest.approx([2 / 3, 1 / 3]) and n == 2
+    assert store.next_probs([1, 2], longest=1)[1].tolist() == pytest.approx([0.5, 0.25, 0.25])
+    assert store.next_probs([9])[2] == 0 and not len(store.next_probs([9])[0])
+    for _ in range(3):
+        store.add([1, 2, 5, 5])  # what the memo holds goes with every answer served
+    tokens, probs, n = store.next_probs([7, 1, 2])
+    expected = naive_next(docs + [[1, 2, 5, 5]] * 3, [7, 1, 2], 3, "witten_bell")
+    assert dict(zip(tokens.tolist(), probs.tolist())) == pytest.approx({t: float(p) for t, p in expected.items()})
+    assert tokens[0] == 5
+    store.forget_served()
+    assert store.next_probs([7, 1, 2])[1].tolist() == pytest.approx([0.6, 0.3, 0.1])
+    rng = random.Random(3)
+    for _ in range(100):
+        docs = [[rng.randrange(5) for _ in range(rng.randint(1, 14))] for _ in range(rng.randint(1, 5))]
+        context = [rng.randrange(6) for _ in range(rng.randint(1, 6))]
+        max_match = rng.randint(1, 4)
+        for smoothing in SMOOTHINGS:
+            tokens, probs, _ = Datastore(docs, max_match=max_match, smoothing=smoothing).next_probs(context)
+            expected = naive_next(docs, context, max_match, smoothing)
+            assert dict(zip(tokens.tolist(), probs.tolist())) == pytest.approx(
+                {t: float(p) for t, p in expected.items()}), (docs, context, smoothing)
+            assert probs.tolist() == sorted(probs.tolist(), reverse=True)
+    with pytest.raises(ValueError, match="smoothing must be one of witten_bell, longest, got 'kneser_ney'"):
+        Datastore(docs, smoothing="kneser_ney")
+
+
+def naive_scores(docs: list[list[int]], context: list[int], depth: int, max_match: int,
+                 smoothing: str) -> dict[tuple, float]:
     """Reference: every node of the datastore's tree down to `depth`, with its score (the product of its tokens'
-    empirical probabilities)."""
+    probabilities)."""
     scores: dict[tuple, float] = {}
     level = {(): 1.0}
     for _ in range(depth):
         deeper = {}
         for path, score in level.items():
-            following = naive_next(docs, context + list(path), max_match)
-            total = sum(following.values())
-            for token, count in following.items():
-                deeper[path + (token,)] = score * count / total
+            for token, prob in naive_next(docs, context + list(path), max_match, smoothing).items():
+                deeper[path + (token,)] = score * float(prob)
         scores.update(deeper)
         level = deeper
     return scores
 
 
-def test_the_tree_takes_the_most_likely_nodes_best_first():
+@pytest.mark.parametrize("smoothing", SMOOTHINGS)
+def test_the_tree_takes_the_most_likely_nodes_best_first(smoothing):
     """Datastore.tree against exhaustive enumeration: its nodes' scores are the `size` best of every node, in
     non-increasing order, each node after its parent; ties go to the more frequent, then the smaller token."""
-    store = Datastore([[1, 2, 3], [1, 2, 4], [1, 2, 3], [2, 5]])
-    assert store.tree([1], 4) == [(2,), (2, 3), (2, 4)]  # documents end after 3 and 4: only 3 nodes exist
+    store = Datastore([[1, 2, 3], [1, 2, 4], [1, 2, 3], [2, 5]], smoothing=smoothing)
+    if smoothing == "longest":  # "1 2" -> 3, 4; documents end after 3 and 4: only 3 nodes exist
+        assert store.tree([1], 4) == [(2,), (2, 3), (2, 4)]
+    else:  # "2" -> 5 too, with a share of the probability
+        assert store.tree([1], 5) == [(2,), (2, 3), (2, 4), (2, 5)]
     assert store.tree([2], 3) == [(3,), (4,), (5,)]  # "2" -> 3 twice, 4 and 5 once each (a tie: 4 first)
     assert store.tree([9], 3) == [] and store.tree([1], 0) == []
     rng = random.Random(2)
@@ -117,8 +183,8 @@ def test_the_tree_takes_the_most_likely_nodes_best_first():
         docs = [[rng.randrange(5) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 5))]
         context = [rng.randrange(6) for _ in range(rng.randint(1, 6))]
         max_match, size = rng.randint(1, 4), rng.randint(1, 9)
-        nodes = Datastore(docs, max_match=max_match).tree(context, size)
-        scores = naive_scores(docs, context, size, max_match)
+        nodes = Datastore(docs, max_match=max_match, smoothing=smoothing).tree(context, size)
+        scores = naive_scores(docs, context, size, max_match, smoothing)
         got = [scores[node] for node in nodes]
         assert len(set(nodes)) == len(nodes) and all(n[:-1] == () or n[:-1] in nodes[:i] for i, n in enumerate(nodes))
         assert got == sorted(got, reverse=True)
@@ -368,6 +434,34 @@ def test_a_growing_datastore_drafts_from_earlier_answers_and_decodes_exactly(tmp
     with pytest.raises(UsageError, match=r"^datastore_grow= does not apply to drafter 'jacobi'; it applies to eagle3, "
                                          r"medusa, prompt_lookup"):
         resolve("jacobi", base=str(target)).check(LoadOptions(datastore_grow=100))
+
+
+def test_the_datastore_smoothing_is_a_load_option_checked_first(tmp_path):
+    """load(..., datastore_smoothing=...) builds the datastore with it, and decoding stays plain greedy decoding;
+    a bad value, one without a datastore and one beside a Datastore object are refused in one line."""
+    target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
+    prompts = repetitive_prompts(13, 2)
+    plain = [load(None, base=str(target), dtype="fp32").generate_ids(p, max_new_tokens=24).sequences[0]
+             for p in prompts]
+    for smoothing in SMOOTHINGS:
+        engine = load("prompt_lookup:min_ngram=3,num_draft=6", base=str(target), dtype="fp32", datastore_grow=10_000,
+                      datastore_smoothing=smoothing)
+        assert engine.drafter.datastore.smoothing == smoothing
+        assert [engine.generate_ids(p, max_new_tokens=24).sequences[0] for p in prompts * 2] == plain * 2
+    assert load("prompt_lookup", base=str(target), dtype="fp32", datastore_grow=10).drafter.datastore.smoothing == \
+        "witten_bell"
+    request = resolve("prompt_lookup", base=str(target))
+    for options, needle in [
+        (LoadOptions(datastore_grow=10, datastore_smoothing="kneser_ney"),
+         "^datastore_smoothing= must be one of witten_bell, longest, got 'kneser_ney'"),
+        (LoadOptions(datastore_smoothing="longest"), "^datastore_smoothing applies with datastore or datastore_grow"),
+        (LoadOptions(datastore=Datastore([[1, 2]]), datastore_smoothing="longest"),
+         "^datastore_smoothing applies to a datastore source"),
+    ]:
+        with pytest.raises(UsageError, match=needle):
+            request.check(options)
+    with pytest.raises(UsageError, match=r"^datastore_smoothing= does not apply to drafter 'jacobi'"):
+        resolve("jacobi", base=str(target)).check(LoadOptions(datastore_smoothing="longest"))
 
 def test_a_text_source_is_parsed_once_for_check_load_and_encoding(tmp_path, monkeypatch):
     """The command line checks a ShareGPT source, `load` checks it again and encodes it: one parse while the file

@@ -194,7 +194,8 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
 @pytest.mark.parametrize("case", ["temperature", "tree", "drafter", "chat", "questions", "question_line", "source",
                                   "head_vocab", "head_vocab_type", "lookup", "lookup_type", "lookup_build_tree",
                                   "datastore", "datastore_line", "datastore_lookup", "datastore_grow",
-                                  "datastore_grow_lookup", "datastore_grow_build_tree"])
+                                  "datastore_grow_lookup", "datastore_grow_build_tree", "datastore_smoothing",
+                                  "datastore_smoothing_alone"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -234,6 +235,12 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
                                   "--datastore-grow needs --lookup on drafter_type 'medusa'"),
         "datastore_grow_build_tree": (("build-tree", "--drafter", assets["ckpt"], "--datastore-grow", "1000"),
                                       "--datastore-grow does not apply to build-tree"),
+        "datastore_smoothing": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt", "x",
+                                 "--datastore-grow", "100", "--datastore-smoothing", "kneser_ney"),
+                                "--datastore-smoothing must be one of witten_bell, longest, got 'kneser_ney'"),
+        "datastore_smoothing_alone": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt",
+                                       "x", "--datastore-smoothing", "longest"),
+                                      "--datastore-smoothing applies with --datastore or --datastore-grow"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

@@ -6,13 +6,21 @@ that pays is the target's own answers (data.datastore: a self-distilled feature 
 same phrases again and again ("Here are some", "```python\\ndef", "I hope this helps"), and an n-gram of its own text
 predicts them where a trained drafter guesses token by token.
 
-What follows a context: the longest suffix of the context (at most `max_match` tokens) that occurs in the corpus with
-a next token picks the occurrences, and their next tokens, counted, give an empirical distribution
-(`Datastore.next_counts`). Documents never run into each other. `Datastore.tree(context, n)` drafts a token tree of up
-to n nodes from it, best first, as SuffixDecoding does: a node's score is the product of its tokens' empirical
-probabilities along its path, and the next node taken is the best-scoring child of the tree so far (each child's
-distribution comes from the longest suffix of the context plus its path). `Datastore.continuation(context, n)` is the
-greedy chain: the most frequent next token, appended, up to n times.
+What follows a context (`Datastore.next_probs`): every suffix of the context, 1 to `max_match` tokens long, that
+occurs in the corpus with a next token has its occurrences' next tokens counted (`Datastore.next_counts` for the
+longest), and the distribution of the next token comes from them in one of two ways (`smoothing`):
+- "witten_bell" (the default): the counts of every length, interpolated from the shortest up, as an n-gram language
+  model with Witten-Bell smoothing does: p_n(x) = λ_n c_n(x) / C_n + (1 - λ_n) p_{n-1}(x), where C_n is the number of
+  occurrences of the n-token suffix, T_n the number of distinct tokens that followed it, λ_n = C_n / (C_n + T_n), and
+  p_1(x) = c_1(x) / C_1. A long suffix seen a few times leans on the shorter ones; one seen often with few
+  continuations, on itself.
+- "longest": the longest suffix's counts alone (REST, SuffixDecoding).
+Interpolation drafted more on every prompt set, corpus and node budget measured (docs/eagle3.md). Documents never run
+into each other. `Datastore.tree(context, n)` drafts a token tree of up to n nodes from it, best first, as
+SuffixDecoding does: a node's score is the product of its tokens' probabilities along its path, and the next node
+taken is the best-scoring child of the tree so far (each child's distribution comes from the context plus its path).
+`Datastore.continuation(context, n)` is the greedy chain: the likeliest next token, appended, up to n times. A
+distribution is computed once per suffix and remembered until the datastore changes (`add`, `forget_served`).
 
 Index: every corpus position's next `max_match + 1` tokens, as one big-endian byte string, sorted (a suffix array cut
 at that depth). All positions starting with a pattern form one range of it, found by binary search, so a lookup costs
@@ -46,7 +54,9 @@ from models.fingerprint import tokenizer_fingerprint
 
 MAX_MATCH = 3  # the longest context suffix matched: 3 drafted more than 4, 6 or 8 on every prompt set (docs/eagle3.md)
 INDEX_NOTICE = 1_000_000  # corpora this large say so before indexing (about 0.7 s a million tokens on 2 cores)
-MAX_SCAN = 4096  # occurrences counted per lookup and segment at most (evenly spaced over the range): O(1) a lookup
+MAX_SCAN = 1024  # occurrences counted per lookup and segment at most (evenly spaced over the range): O(1) a lookup
+SMOOTHINGS = ("witten_bell", "longest")  # how the suffixes' counts make the next token's distribution (see above)
+MEMO_SIZE = 1 << 16  # distributions remembered at most (one per suffix); the memo starts again when full
 TREE_BRANCH = 8  # children of a node `Datastore.tree` weighs at most: its most frequent next tokens
 NO_TOKENS = np.zeros(0, np.int64)
 
@@ -99,20 +109,22 @@ class Datastore:
     docstring); such a datastore may start without documents."""
 
     def __init__(self, documents: Sequence[Sequence[int]], max_match: int = MAX_MATCH, vocab_size: int | None = None,
-                 max_served: int = 0) -> None:
+                 max_served: int = 0, smoothing: str = SMOOTHINGS[0]) -> None:
         if max_match < 1:
             raise ValueError(f"Datastore: max_match must be >= 1, got {max_match}")
         if max_served < 0:
             raise ValueError(f"Datastore: max_served must be >= 0, got {max_served}")
+        check_smoothing(smoothing)
         parts = [np.asarray(doc, dtype=np.int64) for doc in documents if len(doc)]
         if not parts and not max_served:
             raise UsageError("no tokens to draft from")
-        self.max_match, self.max_served, self.vocab_size = max_match, max_served, vocab_size
+        self.max_match, self.max_served, self.vocab_size, self.smoothing = max_match, max_served, vocab_size, smoothing
         self.num_documents = len(parts)
         self.max_id = max((self._checked(p) for p in parts), default=-1)
         self.loaded = SuffixIndex.of_documents(parts, max_match + 1) if parts else None
         self.served: list[SuffixIndex] = []  # oldest first
         self.num_served = 0  # answers added since construction (kept or dropped since)
+        self.memo: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, int]] = {}  # suffix -> its next_probs
 
     def _checked(self, ids: np.ndarray) -> int:
         """The largest id of `ids`; UsageError when one lies outside [0, vocab_size)."""
@@ -128,7 +140,15 @@ class Datastore:
         if max_served < 1:
             raise ValueError(f"Datastore.growing: max_served must be >= 1, got {max_served}")
         store = copy.copy(self)
-        store.max_served, store.served, store.num_served = max_served, [], 0
+        store.max_served, store.served, store.num_served, store.memo = max_served, [], 0, {}
+        return store
+
+    def smoothed(self, smoothing: str) -> "Datastore":
+        """A datastore over this one's corpus and served answers (their indexes shared, not rebuilt) whose next-token
+        distribution is made by `smoothing` (one of SMOOTHINGS); this one is unchanged."""
+        check_smoothing(smoothing)
+        store = copy.copy(self)
+        store.smoothing, store.served, store.memo = smoothing, list(self.served), {}
         return store
 
     @property
@@ -153,6 +173,7 @@ class Datastore:
             return
         self.max_id = max(self.max_id, self._checked(ids))
         self.num_served += 1
+        self.memo.clear()
         self.served.append(SuffixIndex.of_documents([ids], self.max_match + 1))
         cap = max(self.max_served // 4, 1)
         while (len(self.served) > 1 and 2 * self.served[-1].num_tokens >= self.served[-2].num_tokens
@@ -166,6 +187,7 @@ class Datastore:
         """Drop every served answer (a benchmark's warm-up must not leave its answers behind)."""
         self.served.clear()
         self.num_served = 0
+        self.memo.clear()
 
     def next_counts(self, context: Sequence[int], longest: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
         """(tokens, counts, n): what followed the longest suffix of `context` (at most `longest`, else `max_match`
@@ -173,13 +195,56 @@ class Datastore:
         that suffix's length n; empty and 0 when not even the last token occurs with a next token."""
         tail = list(context[-self.max_match :])
         for n in range(min(longest or self.max_match, len(tail)), 0, -1):
-            following = np.concatenate([segment.following(tail[-n:]) for segment in self.segments] or [NO_TOKENS])
+            following = self._following(tail[-n:])
             if len(following):
                 counts = np.bincount(following)
                 ids = np.flatnonzero(counts)  # ascending: a stable sort keeps the smaller id first on a tie
                 order = np.argsort(-counts[ids], kind="stable")
                 return ids[order] - 1, counts[ids][order], n
         return NO_TOKENS, NO_TOKENS, 0
+
+    def next_probs(self, context: Sequence[int], longest: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """(tokens, probs, n): the distribution of the token after `context` by `smoothing` (see the module
+        docstring) over its suffixes of at most `longest` (else `max_match`) tokens, likeliest first (on a tie the
+        smaller id), and the length n of the longest suffix that occurs with a next token; empty and 0 when not even
+        the last token does."""
+        key = tuple(context[len(context) - min(longest or self.max_match, self.max_match, len(context)) :])
+        found = self.memo.get(key)
+        if found is None:
+            if self.smoothing == "longest":
+                tokens, counts, n = self.next_counts(key)
+                found = tokens, counts / max(int(counts.sum()), 1), n
+            else:
+                found = self._interpolated(key)
+            if len(self.memo) >= MEMO_SIZE:
+                self.memo.clear()
+            self.memo[key] = found
+        return found
+
+    def _following(self, pattern: Sequence[int]) -> np.ndarray:
+        """The next tokens (ids + 1) of `pattern`'s occurrences in every segment (SuffixIndex.following)."""
+        return np.concatenate([segment.following(pattern) for segment in self.segments] or [NO_TOKENS])
+
+    def _interpolated(self, tail: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, int]:
+        """next_probs by Witten-Bell interpolation, from `tail`'s last token up to all of it."""
+        levels: list[np.ndarray] = []  # [C_n] the next tokens of the n-token suffix, n = 1, 2, ...
+        for n in range(1, len(tail) + 1):
+            following = self._following(tail[len(tail) - n :])
+            if not len(following):
+                break  # a longer suffix occurs only where this one does
+            levels.append(following)
+        if not levels:
+            return NO_TOKENS, np.zeros(0), 0
+        ids, where = np.unique(np.concatenate(levels), return_inverse=True)  # [V] ids + 1, ascending; [sum C_n]
+        probs = np.zeros(len(ids))  # [V] p_{n-1}; p_0 does not count: λ_1 = 1
+        start = 0
+        for n, following in enumerate(levels, 1):
+            counts = np.bincount(where[start : start + len(following)], minlength=len(ids))  # [V] c_n
+            start += len(following)
+            weight = 1.0 if n == 1 else len(following) / (len(following) + np.count_nonzero(counts))  # λ_n
+            probs = weight * counts / len(following) + (1 - weight) * probs
+        order = np.lexsort((ids, -probs))  # likeliest first, the smaller id on a tie
+        return ids[order] - 1, probs[order], len(levels)
 
     def continuation(self, context: Sequence[int], length: int) -> list[int]:
         """Up to `length` tokens drafted greedily after `context` (see the module docstring); [] when not even its
@@ -188,7 +253,7 @@ class Datastore:
         draft: list[int] = []
         longest = self.max_match  # a match can grow by at most one token per drafted token
         while len(draft) < length:
-            tokens, _, n = self.next_counts(tail + draft, longest)
+            tokens, _, n = self.next_probs(tail + draft, longest)
             if not n:
                 break
             draft.append(int(tokens[0]))
@@ -203,10 +268,9 @@ class Datastore:
         found = itertools.count()
 
         def expand(path: tuple[int, ...], score: float, longest: int) -> None:
-            tokens, counts, n = self.next_counts(tail + path, longest)
-            total = float(counts.sum())
-            for token, count in zip(tokens[:TREE_BRANCH].tolist(), counts[:TREE_BRANCH].tolist()):
-                heapq.heappush(frontier, (-score * count / total, next(found), path + (token,), n + 1))
+            tokens, probs, n = self.next_probs(tail + path, longest)
+            for token, prob in zip(tokens[:TREE_BRANCH].tolist(), probs[:TREE_BRANCH].tolist()):
+                heapq.heappush(frontier, (-score * prob, next(found), path + (token,), n + 1))
 
         nodes: list[tuple[int, ...]] = []
         expand((), 1.0, self.max_match)
@@ -216,6 +280,11 @@ class Datastore:
             if len(nodes) < size:
                 expand(path, -score, longest)
         return nodes
+
+
+def check_smoothing(smoothing: str) -> None:
+    if smoothing not in SMOOTHINGS:
+        raise ValueError(f"Datastore: smoothing must be one of {', '.join(SMOOTHINGS)}, got {smoothing!r}")
 
 
 def source_error(label: str, source: str | Path, err: Exception) -> UsageError:
@@ -245,14 +314,14 @@ def check_spec(spec: str | Path | Sequence[str | Path], label: str = "datastore"
 
 
 def load_datastore(spec: str | Path | Sequence[str | Path] | None, tokenizer: Any = None, label: str = "datastore",
-                   max_served: int = 0) -> Datastore:
+                   max_served: int = 0, smoothing: str = SMOOTHINGS[0]) -> Datastore:
     """The Datastore of `spec` (data.datastore: a source or several, each a feature cache, a ShareGPT file or folder,
     or a data recipe's name, the text ones tokenised with `tokenizer` and each answer ended by its end-of-sequence
     token; None: no corpus, for a datastore that grows from `max_served` > 0 alone). A cache made with another
     tokenizer or unreadable data raise UsageError, one line starting with `label`=source. (The target's vocabulary is
-    checked against `Datastore.max_id` where the target is loaded.)"""
+    checked against `Datastore.max_id` where the target is loaded.) `smoothing`: Datastore's."""
     if spec is None:
-        return Datastore([], max_served=max_served)
+        return Datastore([], max_served=max_served, smoothing=smoothing)
     sources = labelled_sources(spec, label)
     encode = end = fingerprint = None
     if tokenizer is not None:
@@ -268,6 +337,6 @@ def load_datastore(spec: str | Path | Sequence[str | Path] | None, tokenizer: An
     if size >= INDEX_NOTICE:
         print(f"datastore {SEPARATOR.join(sources)}: indexing {size:,} tokens", file=sys.stderr, flush=True)
     try:
-        return Datastore(documents, max_served=max_served)
+        return Datastore(documents, max_served=max_served, smoothing=smoothing)
     except UsageError as err:
         raise UsageError(f"{label}={SEPARATOR.join(sources)}: {err}") from None

@@ -35,7 +35,7 @@ import torch
 
 from data.errors import UsageError
 from data.locations import is_local
-from inference.drafters.datastore import Datastore, check_spec, load_datastore
+from inference.drafters.datastore import SMOOTHINGS, Datastore, check_spec, load_datastore
 from inference.drafters.draft_model import build_draft_model_drafter
 from inference.drafters.draft_stop import check_stop_spec
 from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
@@ -57,7 +57,8 @@ from models.eagle3 import load_eagle3
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
-OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore", "datastore_grow")  # options a type may not take
+OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore", "datastore_grow",
+            "datastore_smoothing")  # options a type may not take
 MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
 
 
@@ -75,14 +76,19 @@ class LoadOptions:
     datastore: str | Path | Sequence[str | Path] | Datastore | None = None
     # with `datastore` or without: every answer served is added to the datastore, the latest N tokens kept
     datastore_grow: int | None = None
+    # with `datastore` or `datastore_grow`: how the datastore's counts make the next token's distribution (one of
+    # inference.drafters.datastore.SMOOTHINGS); None: the first, Witten-Bell interpolation
+    datastore_smoothing: str | None = None
 
     def with_datastore(self, tokenizer: Any, naming: "Naming") -> "LoadOptions":
         """These options with `datastore` read and indexed (a path given; `tokenizer` encodes a text source), or an
         empty one made to grow (`datastore_grow` alone)."""
         if isinstance(self.datastore, Datastore) or (self.datastore is None and self.datastore_grow is None):
             return self
-        store = load_datastore(self.datastore, tokenizer, label=naming.datastore, max_served=self.datastore_grow or 0)
-        return replace(self, datastore=store, datastore_grow=None)  # the Datastore carries it (max_served)
+        store = load_datastore(self.datastore, tokenizer, label=naming.datastore, max_served=self.datastore_grow or 0,
+                               smoothing=self.datastore_smoothing or SMOOTHINGS[0])
+        # the Datastore carries them (max_served, smoothing)
+        return replace(self, datastore=store, datastore_grow=None, datastore_smoothing=None)
 
 
 @dataclass(frozen=True)
@@ -97,12 +103,15 @@ class Naming:
     lookup: str
     datastore: str  # without "=": messages name the source as <datastore>=<path>
     datastore_grow: str
+    datastore_smoothing: str
 
 
 API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=",
-             lookup="lookup=", datastore="datastore", datastore_grow="datastore_grow=")
+             lookup="lookup=", datastore="datastore", datastore_grow="datastore_grow=",
+             datastore_smoothing="datastore_smoothing=")
 CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab",
-             lookup="--lookup", datastore="--datastore", datastore_grow="--datastore-grow")
+             lookup="--lookup", datastore="--datastore", datastore_grow="--datastore-grow",
+             datastore_smoothing="--datastore-smoothing")
 
 
 @dataclass(frozen=True)
@@ -149,12 +158,27 @@ class DrafterRequest:
                                                    or options.datastore_grow < 1):
             raise UsageError(f"{naming.datastore_grow} must be a whole number of tokens >= 1 (the served answers' "
                              f"tokens kept), got {options.datastore_grow!r}")
+        if options.datastore_smoothing is not None:
+            self.check_smoothing(options, naming)
         if options.datastore is not None or options.datastore_grow is not None:
             self.check_datastore(options, naming)
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
         if self.spec is not None:  # its options and their values, as its builder takes them: no target needed
             kind.build(self, None, replace(options, datastore=None), None)
+
+    @staticmethod
+    def check_smoothing(options: LoadOptions, naming: Naming) -> None:
+        name = naming.datastore_smoothing.rstrip("=")
+        if options.datastore_smoothing not in SMOOTHINGS:
+            raise UsageError(f"{naming.datastore_smoothing} must be one of {', '.join(SMOOTHINGS)}, got "
+                             f"{options.datastore_smoothing!r}")
+        if options.datastore is None and options.datastore_grow is None:
+            raise UsageError(f"{name} applies with {naming.datastore} or {naming.datastore_grow.rstrip('=')}: it "
+                             f"sets how the datastore drafts")
+        if isinstance(options.datastore, Datastore):
+            raise UsageError(f"{name} applies to a datastore source (a path) or none; a Datastore object is built "
+                             f"with its smoothing")
 
     def check_datastore(self, options: LoadOptions, naming: Naming) -> None:
         """A tree drafter's datastore chain shares the nodes `lookup` adds, so it needs `lookup`; the source is
@@ -250,7 +274,8 @@ KEYWORD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "prompt_lookup": PromptLookupDrafter,
 }
 # the load options (OPTIONAL) each one takes
-KEYWORD_TAKES = {"prompt_lookup": frozenset({"datastore", "datastore_grow"})}
+DATASTORE_OPTIONS = frozenset({"datastore", "datastore_grow", "datastore_smoothing"})
+KEYWORD_TAKES = {"prompt_lookup": DATASTORE_OPTIONS}
 
 
 def build_training_free(name: str, options: Mapping[str, str], **loaded: Any) -> Drafter:
@@ -281,10 +306,9 @@ def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: Lo
 
 DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
-    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup", "datastore", "datastore_grow"}),
-                          checkpoint=True),
+    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup"}) | DATASTORE_OPTIONS, checkpoint=True),
     "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
-    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "datastore", "datastore_grow"}), checkpoint=True),
+    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup"}) | DATASTORE_OPTIONS, checkpoint=True),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
     **{name: DrafterType(_keyword, KEYWORD_TAKES.get(name, frozenset())) for name in KEYWORD_DRAFTERS},
