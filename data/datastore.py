@@ -91,6 +91,15 @@ def answer_texts(source: str | Path) -> tuple[str, ...]:
     return _parsed_answers(str(source), path.resolve(), file_signature(path))
 
 
+def source_signature(source: str | Path) -> tuple:
+    """What identifies `source`'s content within a process: a recipe's name, or the resolved path and its files'
+    signature (`file_signature`); DataError (one line) for a path that does not exist."""
+    if is_recipe(source):
+        return ("recipe", str(source))
+    path = located(source)
+    return (str(path.resolve()), file_signature(path))
+
+
 def file_signature(path: Path) -> tuple[tuple[str, int, int], ...]:
     """(relative name, size, mtime in ns) of `path`, or of every file under a folder."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]

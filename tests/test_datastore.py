@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 import data.datastore as data_datastore
 import inference.api as api
+import inference.drafters.datastore as datastore_module
 from data.config import load_data_config
 from data.datasets import load_conversations
 from data.datastore import answer_texts, check_source, is_recipe
@@ -149,6 +150,14 @@ def test_witten_bell_interpolates_the_suffixes_counts_and_remembers_until_the_st
             assert probs.tolist() == sorted(probs.tolist(), reverse=True)
     with pytest.raises(ValueError, match="smoothing must be one of witten_bell, longest, got 'kneser_ney'"):
         Datastore(docs, smoothing="kneser_ney")
+
+
+def test_the_memo_of_distributions_stays_bounded(monkeypatch):
+    monkeypatch.setattr(datastore_module, "MEMO_SIZE", 5)
+    store = Datastore([list(range(40))])
+    for token in range(39):
+        assert store.continuation([token], 1) == [token + 1]
+        assert 1 <= len(store.memo) <= 5
 
 
 def naive_scores(docs: list[list[int]], context: list[int], depth: int, max_match: int,
@@ -476,6 +485,30 @@ def test_a_text_source_is_parsed_once_for_check_load_and_encoding(tmp_path, monk
     assert len(calls) == 1 and engine.drafter.datastore.num_documents == 1
     Path(source).write_text(Path(source).read_text() + json.dumps(chat("who?", "me, again")) + "\n")
     assert answer_texts(source) == ("hello world, hello there!", "me, again") and len(calls) == 2
+
+
+def test_engines_over_the_same_sources_share_one_index_until_a_file_changes(tmp_path, monkeypatch):
+    """load_datastore keeps the last corpora it indexed: a second load of the same sources and tokenizer reads,
+    tokenises and indexes nothing (its smoothing and growth its own); other sources or a changed file are read
+    again."""
+    tokenizer = tiny_tokenizer()
+    source = sharegpt_file(tmp_path, [chat("hi", "hello world, hello there!")])
+    other = sharegpt_file(tmp_path, [chat("hi", "good morning")], name="other.jsonl")
+    built = []
+    real = datastore_module._indexed
+    monkeypatch.setattr(datastore_module, "_indexed", lambda *a: built.append(a[0]) or real(*a))
+    first = load_datastore(source, tokenizer)
+    again = load_datastore(source, tokenizer, max_served=100, smoothing="longest")
+    assert len(built) == 1 and again.loaded is first.loaded and again.memo is not first.memo
+    assert (first.smoothing, first.grows, again.smoothing, again.max_served) == ("witten_bell", False, "longest", 100)
+    again.add([1, 2, 3])
+    assert first.num_tokens == again.num_tokens - 3  # what one engine serves stays its own
+    load_datastore([source, other], tokenizer)
+    assert len(built) == 2
+    Path(source).write_text(Path(source).read_text() + json.dumps(chat("who?", "me, again")) + "\n")
+    changed = load_datastore(source, tokenizer)
+    assert len(built) == 3 and changed.num_documents == 2 and changed.loaded is not first.loaded
+    assert len(datastore_module._INDEXES) <= datastore_module.INDEXES_KEPT
 
 
 def test_several_text_sources_checked_first_are_each_parsed_once(tmp_path, monkeypatch):

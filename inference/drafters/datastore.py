@@ -27,6 +27,11 @@ at that depth). All positions starting with a pattern form one range of it, foun
 O(max_match log N) whatever the corpus size; memory is 4 (max_match + 3) bytes a token (4 MB for the 179k tokens of
 the CPU recipe's answers, 245 MB for ShareGPT V3's 10.2M, at the default MAX_MATCH 3).
 
+Loading: `load_datastore` keeps the last INDEXES_KEPT corpora it indexed, by their sources' signatures (a recipe's
+name, a path's files' sizes and modification times) and the tokenizer, so a second engine of the process over the
+same sources (a bench's methods side by side) shares the index instead of reading, tokenising and indexing again
+(about 25 s for ShareGPT V3); a source whose files changed is read again.
+
 Growing while serving (`max_served` > 0, as SuffixDecoding's global tree): `add` indexes each answer the engine has
 served, so later requests draft from it too. Served answers go into segments of their own, oldest first; the newest
 absorbs the one before it while that one is at most twice its size, so each segment is more than twice the size of
@@ -43,12 +48,13 @@ import copy
 import heapq
 import itertools
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from data.datastore import SEPARATOR, check_source, corpus_documents, sources_of
+from data.datastore import SEPARATOR, check_source, corpus_documents, source_signature, sources_of
 from data.errors import UsageError
 from models.fingerprint import tokenizer_fingerprint
 
@@ -56,8 +62,9 @@ MAX_MATCH = 3  # the longest context suffix matched: 3 drafted more than 4, 6 or
 INDEX_NOTICE = 1_000_000  # corpora this large say so before indexing (about 0.7 s a million tokens on 2 cores)
 MAX_SCAN = 1024  # occurrences counted per lookup and segment at most (evenly spaced over the range): O(1) a lookup
 SMOOTHINGS = ("witten_bell", "longest")  # how the suffixes' counts make the next token's distribution (see above)
-MEMO_SIZE = 1 << 16  # distributions remembered at most (one per suffix); the memo starts again when full
+MEMO_SIZE = 4096  # distributions remembered at most (one per suffix, a few KB each); when full, the memo starts again
 TREE_BRANCH = 8  # children of a node `Datastore.tree` weighs at most: its most frequent next tokens
+INDEXES_KEPT = 2  # corpora load_datastore keeps indexed for the next engine of the process (see the docstring)
 NO_TOKENS = np.zeros(0, np.int64)
 
 
@@ -283,6 +290,7 @@ class Datastore:
 
 
 def check_smoothing(smoothing: str) -> None:
+    """ValueError unless `smoothing` is one of SMOOTHINGS."""
     if smoothing not in SMOOTHINGS:
         raise ValueError(f"Datastore: smoothing must be one of {', '.join(SMOOTHINGS)}, got {smoothing!r}")
 
@@ -327,6 +335,29 @@ def load_datastore(spec: str | Path | Sequence[str | Path] | None, tokenizer: An
     if tokenizer is not None:
         encode = lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # noqa: E731
         end, fingerprint = tokenizer.eos_token_id, tokenizer_fingerprint(tokenizer)
+    signatures = []
+    for source in sources:
+        try:
+            signatures.append(source_signature(source))
+        except UsageError as err:
+            raise source_error(label, source, err) from None
+    key = (tuple(signatures), fingerprint, end)
+    store = _INDEXES.get(key)
+    if store is None:
+        store = _indexed(sources, label, encode, fingerprint, end)
+        _INDEXES[key] = store
+        while len(_INDEXES) > INDEXES_KEPT:
+            _INDEXES.popitem(last=False)
+    _INDEXES.move_to_end(key)
+    store = store.smoothed(smoothing)  # its own memo; the index shared
+    return store.growing(max_served) if max_served else store
+
+
+_INDEXES: OrderedDict[tuple, Datastore] = OrderedDict()  # load_datastore's last corpora, oldest first
+
+
+def _indexed(sources: Sequence[str], label: str, encode: Any, fingerprint: str | None, end: int | None) -> Datastore:
+    """load_datastore's Datastore of `sources` (read, tokenised, indexed), neither growing nor smoothed yet."""
     documents: list[Sequence[int]] = []
     for source in sources:
         try:
@@ -337,6 +368,6 @@ def load_datastore(spec: str | Path | Sequence[str | Path] | None, tokenizer: An
     if size >= INDEX_NOTICE:
         print(f"datastore {SEPARATOR.join(sources)}: indexing {size:,} tokens", file=sys.stderr, flush=True)
     try:
-        return Datastore(documents, max_served=max_served, smoothing=smoothing)
+        return Datastore(documents)
     except UsageError as err:
         raise UsageError(f"{label}={SEPARATOR.join(sources)}: {err}") from None
