@@ -306,8 +306,8 @@ def load(
     too (SuffixDecoding's global tree); each generation stays exact, but how much a request gains then depends on what
     was served before it. `datastore_smoothing` (with either) sets how the datastore's counts make the next token's
     distribution: "witten_bell" (the default; interpolated over the matched suffixes' lengths) or "longest" (the
-    longest match's counts alone, as REST and SuffixDecoding). Every argument is checked, and the tokenizer and the datastore loaded, before the model
-    loads."""
+    longest match's counts alone, as REST and SuffixDecoding). Every argument is checked, and the tokenizer and the
+    datastore loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
     options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
                           datastore=datastore, datastore_grow=datastore_grow, datastore_smoothing=datastore_smoothing)

@@ -87,7 +87,7 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                         "keeping about the latest N tokens of them, so later requests draft from earlier answers")
     p.add_argument("--datastore-smoothing", metavar="|".join(SMOOTHINGS),
                    help="with --datastore or --datastore-grow: the next token's distribution, interpolated over the "
-                        "matched suffixes' lengths (witten_bell, the default) or the longest match's counts alone"),
+                        "matched suffixes' lengths (witten_bell, the default) or the longest match's counts alone")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
                    help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
                         "that a greedy mismatch is float rounding (near-tied logits), not an engine error")

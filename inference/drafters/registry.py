@@ -169,6 +169,7 @@ class DrafterRequest:
 
     @staticmethod
     def check_smoothing(options: LoadOptions, naming: Naming) -> None:
+        """`datastore_smoothing` is one of SMOOTHINGS, and there is a datastore source (or growth) for it to shape."""
         name = naming.datastore_smoothing.rstrip("=")
         if options.datastore_smoothing not in SMOOTHINGS:
             raise UsageError(f"{naming.datastore_smoothing} must be one of {', '.join(SMOOTHINGS)}, got "
