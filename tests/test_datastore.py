@@ -162,13 +162,18 @@ def test_the_memo_of_distributions_stays_bounded(monkeypatch):
 
 def naive_scores(docs: list[list[int]], context: list[int], depth: int, max_match: int,
                  smoothing: str) -> dict[tuple, float]:
-    """Reference: every node of the datastore's tree down to `depth`, with its score (the product of its tokens'
-    probabilities)."""
+    """Reference: the nodes of the datastore's tree down to `depth`, with their scores (the product of their tokens'
+    probabilities), every node that can be among the `depth` best: a path scored below the depth-th best node of the
+    levels above it is not expanded (a child never scores more than its parent)."""
     scores: dict[tuple, float] = {}
     level = {(): 1.0}
     for _ in range(depth):
+        best = sorted(scores.values(), reverse=True)
+        floor = best[depth - 1] * (1 - 1e-9) if len(best) >= depth else 0.0
         deeper = {}
         for path, score in level.items():
+            if score < floor:
+                continue
             for token, prob in naive_next(docs, context + list(path), max_match, smoothing).items():
                 deeper[path + (token,)] = score * float(prob)
         scores.update(deeper)
@@ -567,7 +572,7 @@ def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tin
     assert script.walk_all(cases, script.Drafts(4, None), 4) < tokens / forwards
 
 
-def test_the_lookup_walk_refuses_a_bad_datastore_spec_before_the_model_loads(tmp_path, monkeypatch, capsys):
+def test_the_lookup_walk_refuses_a_bad_datastore_or_smoothing_before_the_model_loads(tmp_path, monkeypatch, capsys):
     from tests.test_early_exit import load_script  # deferred: loads a script file as a module
 
     script = load_script("lookup_walk")
@@ -578,3 +583,12 @@ def test_the_lookup_walk_refuses_a_bad_datastore_spec_before_the_model_loads(tmp
         assert script.main(["--base", "builtin:tiny", "--datastore", good, "--datastore", spec]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as exited:  # argparse's own line, before anything loads
+        script.main(["--base", "builtin:tiny", "--datastore", good, "--datastore-smoothing", "witten_bell,kneser_ney"])
+    assert exited.value.code == 2
+    needle = "--datastore-smoothing takes a comma list of witten_bell, longest, got 'kneser_ney'"
+    assert needle in capsys.readouterr().err
+    args = script.parse_args(["--base", "x", "--datastore-smoothing", "longest,witten_bell"])
+    assert args.smoothings == ["longest", "witten_bell"]
+    assert script.row_name("sharegpt_v3", "longest", args.smoothings) == "sharegpt_v3 (longest)"
+    assert script.row_name("sharegpt_v3", "longest", ["longest"]) == "sharegpt_v3"
