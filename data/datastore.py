@@ -15,16 +15,27 @@ data.self_distill=true already holds them; ShareGPT V3's 10M tokens of answers (
 `check_source` checks what it can without a tokenizer; every error is one line naming the source (and the file and
 record where a record is bad). A text source is parsed once per process while its files stay unchanged: the command
 line checks it, `load` checks it again and then encodes it, all from one parse.
+
+Tokenised answers are kept on disk (<cache root>/datastore/<key>.npz, data.cache), keyed by a hash of the answers'
+text, the tokenizer's fingerprint and the end token: a later process reads ShareGPT V3's 10.2M tokens back in about a
+second instead of tokenising them again (about 25 s on 2 cores). Changed text or another tokenizer is another key; an
+unreadable file is tokenised again and replaced; a file is written whole or not at all. Without a tokenizer
+fingerprint nothing is kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
+from data.cache import cache_root
 from data.chat import IGNORE_INDEX
 from data.config import available_data_configs, load_data_config
 from data.datasets import load_conversations
@@ -36,6 +47,7 @@ PARSES_KEPT = 4  # text sources whose parsed answers stay in memory (a walk may 
 SEPARATOR = ","  # between the sources of one datastore spec
 ENCODE_BATCH = 1000  # answers tokenised per call; a bar shows progress past one batch
 Encode = Callable[[Sequence[str]], Sequence[Sequence[int]]]  # texts -> their token ids (no special tokens)
+TOKENS_FORMAT = 1  # of the tokenised answers kept on disk (see the module docstring); part of their key
 
 
 def sources_of(spec: str | Path | Sequence[str | Path]) -> tuple[str, ...]:
@@ -170,11 +182,58 @@ def corpus_documents(source: str | Path, encode: Encode | None = None, tokenizer
         raise DataError(f"{source}: a text source needs the target's tokenizer; this engine has none (pass a feature "
                         f"cache folder, which stores token ids)")
     texts = answer_texts(source)
-    documents: list[Sequence[int]] = []
+    kept = None if tokenizer_hash is None else tokens_file(texts, tokenizer_hash, end)
+    documents = None if kept is None else read_tokens(kept)
+    if documents is not None:
+        return documents
+    documents = []
     with tqdm(total=len(texts), desc=f"datastore {source}: tokenising answers", unit="answer",
               disable=len(texts) <= ENCODE_BATCH) as bar:
         for start in range(0, len(texts), ENCODE_BATCH):
             batch = texts[start : start + ENCODE_BATCH]
             documents += [list(ids) + ([] if end is None else [end]) for ids in encode(batch)]
             bar.update(len(batch))
+    if kept is not None:
+        write_tokens(kept, documents)
     return documents
+
+
+def tokens_file(texts: Sequence[str], tokenizer_hash: str, end: int | None) -> Path:
+    """Where the tokenised `texts` are kept: a hash of the format, the tokenizer's fingerprint, `end` and every text
+    (each with its length, so no two lists of texts hash alike by their joins)."""
+    digest = hashlib.sha256(f"{TOKENS_FORMAT}\0{tokenizer_hash}\0{end}\0{len(texts)}\0".encode())
+    for text in texts:
+        data = text.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return cache_root() / "datastore" / f"{digest.hexdigest()[:32]}.npz"
+
+
+def read_tokens(path: Path) -> list[np.ndarray] | None:
+    """The documents kept at `path`, None when there is none or it cannot be read (it is then tokenised again)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as kept:
+            ids, ends = kept["ids"], kept["ends"]  # [N] int32 every document's ids in turn; [D] int64 their ends
+        if ids.ndim != 1 or ends.ndim != 1 or (len(ends) and (ends[-1] != len(ids) or np.any(np.diff(ends) < 0))):
+            raise ValueError("inconsistent arrays")
+    except (OSError, ValueError, KeyError, EOFError) as err:
+        print(f"datastore: {path} cannot be read ({type(err).__name__}); tokenising again", file=sys.stderr)
+        return None
+    return np.split(ids.astype(np.int64), ends[:-1])
+
+
+def write_tokens(path: Path, documents: Sequence[Sequence[int]]) -> None:
+    """Keep `documents` at `path`, written whole (a temporary file renamed) or not at all (a full disk is a note,
+    not an error: the datastore works without it)."""
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ids = np.fromiter((t for doc in documents for t in doc), np.int32, sum(map(len, documents)))
+        np.savez(tmp, ids=ids, ends=np.cumsum([len(doc) for doc in documents], dtype=np.int64))
+        os.replace(tmp, path)
+    except OSError as err:
+        if tmp.is_file():
+            tmp.unlink()
+        print(f"datastore: the tokenised answers could not be kept at {path}: {err}", file=sys.stderr)

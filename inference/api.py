@@ -273,6 +273,7 @@ def load(
     datastore: str | Path | Sequence[str | Path] | None = None,
     datastore_grow: int | None = None,
     datastore_smoothing: str | None = None,
+    datastore_request_weight: float | None = None,
 ) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
@@ -306,11 +307,14 @@ def load(
     too (SuffixDecoding's global tree); each generation stays exact, but how much a request gains then depends on what
     was served before it. `datastore_smoothing` (with either) sets how the datastore's counts make the next token's
     distribution: "witten_bell" (the default; interpolated over the matched suffixes' lengths) or "longest" (the
-    longest match's counts alone, as REST and SuffixDecoding). Every argument is checked, and the tokenizer and the
-    datastore loaded, before the model loads."""
+    longest match's counts alone, as REST and SuffixDecoding); `datastore_request_weight` (with either) how many times
+    the request's own prompt and answer so far count beside the corpus in those counts (default
+    inference.drafters.datastore.REQUEST_WEIGHT; 0: the corpus alone). Every argument is checked, and the tokenizer
+    and the datastore loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
     options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
-                          datastore=datastore, datastore_grow=datastore_grow, datastore_smoothing=datastore_smoothing)
+                          datastore=datastore, datastore_grow=datastore_grow, datastore_smoothing=datastore_smoothing,
+                          datastore_request_weight=datastore_request_weight)
     request.check(options, API)
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")

@@ -17,7 +17,7 @@ from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
 from inference.api import attach, load, load_text_side, trained_setting
-from inference.drafters.datastore import SMOOTHINGS
+from inference.drafters.datastore import REQUEST_WEIGHT, SMOOTHINGS
 from inference.drafters.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
 from inference.drafters.spec import DrafterSpec
 from inference.engine.loop import check_context
@@ -88,6 +88,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--datastore-smoothing", metavar="|".join(SMOOTHINGS),
                    help="with --datastore or --datastore-grow: the next token's distribution, interpolated over the "
                         "matched suffixes' lengths (witten_bell, the default) or the longest match's counts alone")
+    p.add_argument("--datastore-request-weight", type=float, metavar="W",
+                   help="with --datastore or --datastore-grow: how many times the request's own prompt and answer so "
+                        f"far count beside the datastore's corpus (default {REQUEST_WEIGHT:g}; 0: the corpus alone)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
                    help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
                         "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
@@ -149,7 +152,8 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
     options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab,
                           lookup=args.lookup, datastore=args.datastore, datastore_grow=args.datastore_grow,
-                          datastore_smoothing=args.datastore_smoothing)
+                          datastore_smoothing=args.datastore_smoothing,
+                          datastore_request_weight=args.datastore_request_weight)
     request.check(options, CLI)
     base = model_settings(request.base).ref if request.base else None
     if isinstance(base, LocalRef):  # a base directory that is not there: its one line now, not after other models load
@@ -203,7 +207,7 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
             device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
             head_vocab=args.head_vocab, tokenizer=args.tokenizer, chat_template=args.chat_template,
             lookup=args.lookup, datastore=args.datastore, datastore_grow=args.datastore_grow,
-            datastore_smoothing=args.datastore_smoothing,
+            datastore_smoothing=args.datastore_smoothing, datastore_request_weight=args.datastore_request_weight,
         )
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)
     return Session(engine, engine.tokenizer, engine.chat_template, request.base, name, config, target)

@@ -7,6 +7,7 @@ target's greedy answers, no tree forward.
     python scripts/lookup_walk.py --base smollm2 --datastore features/smollm2-self --datastore-grow 1000000 \
         --questions gsm8k:24:spread --orders 5
     python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --datastore-smoothing witten_bell,longest
+    python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --datastore-request-weight 0,100
 
 Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
 engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
@@ -20,12 +21,14 @@ datastore's greedy chain in place of its tree (what the tree buys); at each N of
 as `load(..., datastore_grow=N)` does), from nothing and from each datastore: τ in the questions' order, and the mean
 and range over --orders shuffles of them (what a request gains then depends on what was served before it).
 Every datastore row is walked with each of --datastore-smoothing's distributions (inference.drafters.datastore:
-Witten-Bell interpolation over the matched suffixes, or the longest match's counts), over one index.
+Witten-Bell interpolation over the matched suffixes, or the longest match's counts) and each of
+--datastore-request-weight's weights of the request's own text in its counts, over one index.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -39,7 +42,8 @@ from tqdm.auto import tqdm  # noqa: E402
 from data.errors import UsageError  # noqa: E402
 from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
-from inference.drafters.datastore import SMOOTHINGS, Datastore, check_spec, load_datastore  # noqa: E402
+from inference.drafters.datastore import (  # noqa: E402
+    REQUEST_WEIGHT, SMOOTHINGS, Datastore, check_request_weight, check_spec, load_datastore)
 from inference.drafters.path_trees import chain_nodes, merge_rows, rank_tree  # noqa: E402
 from inference.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter  # noqa: E402
 
@@ -90,9 +94,9 @@ class Drafts:
             return self.lookup.row_sources(index)
         n = self.lookup.num_draft
         if self.mode == "store":
-            found = [self.store.tree(index.tokens, n)]
+            found = [self.store.tree(index.tokens, n, index.counts)]
         else:
-            found = [chain_nodes(index.lookup(n)), chain_nodes(self.store.continuation(index.tokens, n))]
+            found = [chain_nodes(index.lookup(n)), chain_nodes(self.store.continuation(index.tokens, n, index.counts))]
         return [nodes for nodes in found if nodes]
 
 
@@ -107,6 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--datastore-smoothing", default=SMOOTHINGS[0],
                    help=f"comma list of the datastore's next-token distributions ({', '.join(SMOOTHINGS)}; default "
                         f"{SMOOTHINGS[0]}): the datastore rows, once each")
+    p.add_argument("--datastore-request-weight", default=str(REQUEST_WEIGHT), metavar="W[,W...]",
+                   help=f"comma list of weights of the request's own text in the datastore's counts (default "
+                        f"{REQUEST_WEIGHT:g}): the datastore rows, once each")
     p.add_argument("--questions", default="mt_bench:8:spread,gsm8k:4:spread,humaneval:4:spread",
                    help="bench prompt sets or a question file (first turns)")
     p.add_argument("--datastore-grow", type=int, metavar="N",
@@ -125,6 +132,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for smoothing in args.smoothings:
         if smoothing not in SMOOTHINGS:
             p.error(f"--datastore-smoothing takes a comma list of {', '.join(SMOOTHINGS)}, got {smoothing!r}")
+    try:
+        args.weights = [float(w) for w in args.datastore_request_weight.split(",")]
+        for weight in args.weights:
+            check_request_weight(weight)
+    except ValueError:
+        p.error(f"--datastore-request-weight takes a comma list of numbers >= 0, got {args.datastore_request_weight!r}")
     if args.max_new_tokens < 1 or min(args.budgets) < 1:
         p.error("--max-new-tokens and --num-draft take positive numbers")
     if (args.datastore_grow is not None and args.datastore_grow < 1) or args.orders < 1:
@@ -142,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         questions, _ = load_questions(args.questions)
         engine = load(None, base=args.base, dtype=args.dtype)
         loaded = {path: load_datastore(path, engine.tokenizer, label="--datastore") for path in args.datastore}
-        stores = {row_name(path, smoothing, args.smoothings): store.smoothed(smoothing)
-                  for path, store in loaded.items() for smoothing in args.smoothings}
+        settings = list(itertools.product(args.smoothings, args.weights))
+        stores = {row_name(path, setting, args): store.configured(*setting)
+                  for path, store in loaded.items() for setting in settings}
         grow = {} if args.datastore_grow is None else {
-            **{row_name("nothing", smoothing, args.smoothings):
-               Datastore([], max_served=args.datastore_grow, smoothing=smoothing) for smoothing in args.smoothings},
+            **{row_name("nothing", setting, args): Datastore([], max_served=args.datastore_grow, smoothing=setting[0],
+                                                             request_weight=setting[1]) for setting in settings},
             **{path: store.growing(args.datastore_grow) for path, store in stores.items()}}
     except (UsageError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -176,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def row_name(spec: str, smoothing: str, smoothings: list[str]) -> str:
-    """A datastore row's name: its spec, and its smoothing where several are walked."""
-    return spec if len(smoothings) == 1 else f"{spec} ({smoothing})"
+def row_name(spec: str, setting: tuple[str, float], args: argparse.Namespace) -> str:
+    """A datastore row's name: its spec, and its smoothing and request weight where several are walked."""
+    smoothing, weight = setting
+    named = ([smoothing] if len(args.smoothings) > 1 else []) + ([f"request ×{weight:g}"] if len(args.weights) > 1
+                                                                   else [])
+    return f"{spec} ({', '.join(named)})" if named else spec
 
 
 def walk_all(cases: list[tuple[list[int], list[int]]], draft: Drafts, budget: int) -> float:

@@ -10,6 +10,7 @@ from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -24,7 +25,7 @@ from data.errors import UsageError
 from inference.api import load
 from inference.bench.methods import EngineRunner, Sampling
 from inference.bench.run import warm_up
-from inference.drafters.datastore import SMOOTHINGS, Datastore, load_datastore
+from inference.drafters.datastore import SMOOTHINGS, Datastore, TextCounts, load_datastore
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.drafters.registry import CLI, LoadOptions, build_training_free, resolve
@@ -123,7 +124,7 @@ def test_witten_bell_interpolates_the_suffixes_counts_and_remembers_until_the_st
     # "2" -> 3, 3, 4, 5 and "1 2" -> 3, 3, 4: λ_2 = 3 / (3 + 2), p(3) = 0.6 (2/3) + 0.4 (2/4) = 0.6
     tokens, probs, n = store.next_probs([7, 1, 2])
     assert tokens.tolist() == [3, 4, 5] and probs.tolist() == pytest.approx([0.6, 0.3, 0.1]) and n == 2
-    longest = store.smoothed("longest")  # the same index, the longest suffix's counts alone
+    longest = store.configured("longest")  # the same index, the longest suffix's counts alone
     assert longest.loaded is store.loaded and store.smoothing == "witten_bell"
     tokens, probs, n = longest.next_probs([7, 1, 2])
     assert tokens.tolist() == [3, 4] and probs.tolist() == pytest.approx([2 / 3, 1 / 3]) and n == 2
@@ -205,6 +206,42 @@ def test_the_tree_takes_the_most_likely_nodes_best_first(smoothing):
         assert got == pytest.approx(sorted(scores.values(), reverse=True)[:size]), (docs, context, max_match)
 
 
+def test_text_counts_count_what_followed_every_short_ngram():
+    own = TextCounts(2)
+    own.extend([5, 6])
+    own.extend([5, 6, 7])
+    assert own.tokens == [5, 6, 5, 6, 7]
+    assert own.following([5]) == {6: 2} and own.following([6]) == {5: 1, 7: 1} and own.following([7]) == {}
+    assert own.following([5, 6]) == {5: 1, 7: 1} and own.following([6, 5]) == {6: 1}
+    assert own.following([6, 5, 6]) == {}  # longer than max_n: never counted
+
+
+@pytest.mark.parametrize("smoothing", SMOOTHINGS)
+def test_the_requests_own_text_counts_as_that_many_copies_of_it_in_the_corpus(smoothing):
+    """request_weight=w with the request's TextCounts drafts as a corpus that holds the request's text w more times
+    (distribution, greedy chain, tree); without the counts, or with w=0, the corpus alone; the memo of the corpus's
+    distributions is never touched by a request's counts."""
+    rng = random.Random(7)
+    docs = [[rng.randrange(6) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    plain = Datastore(docs, smoothing=smoothing)
+    for weight in (1, 3):
+        store = Datastore(docs, smoothing=smoothing, request_weight=weight)
+        for _ in range(40):
+            context = [rng.randrange(7) for _ in range(rng.randint(1, 25))]  # 6: only ever in the request
+            own = TextCounts(store.max_match)
+            own.extend(context)
+            copies = Datastore(docs + [context] * weight, smoothing=smoothing)
+            for longest in (None, 1, 2):
+                got, want = store.next_probs(context, longest, own), copies.next_probs(context, longest)
+                assert got[0].tolist() == want[0].tolist() and got[2] == want[2]
+                assert got[1].tolist() == pytest.approx(want[1].tolist(), abs=1e-12)
+            assert store.tree(context, 9, own) == copies.tree(context, 9)
+            assert store.continuation(context, 6, own) == copies.continuation(context, 6)
+            for alone in (store.tree(context, 9), store.configured(request_weight=0).tree(context, 9, own)):
+                assert alone == plain.tree(context, 9)
+            assert all(6 + 1 not in store.counts_memo[key][0] for key in store.counts_memo)
+
+
 def test_a_large_range_is_counted_from_a_sample_and_ids_are_checked():
     store = Datastore([[1, 2]] * 6000 + [[1, 3]] * 2000)  # 8,000 occurrences of 1: more than one lookup scans
     assert store.continuation([1], 3) == [2]
@@ -274,6 +311,77 @@ def chat(user: str, *answers: str) -> dict:
     for answer in answers:
         turns += [{"from": "gpt", "value": answer}, {"from": "human", "value": "more"}]
     return {"conversations": turns[:-1] if answers else turns}
+
+
+def test_tokenised_answers_are_kept_on_disk_by_text_and_tokenizer(tmp_path, monkeypatch, capsys):
+    """A text source's tokenised answers are written once to the cache root and read back by a later load (no
+    encoding); another tokenizer, another end token or edited text is another file; an unreadable file is tokenised
+    again and replaced; without a tokenizer fingerprint, or where the cache cannot be written, nothing is kept and the
+    documents are the same."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    kept = tmp_path / "cache" / "datastore"
+    source = sharegpt_file(tmp_path, [chat("hi", "hello world"), chat("a", "b c d")])
+    calls = []
+
+    def encode(texts):
+        calls.append(len(texts))
+        return [[len(word) for word in text.split()] for text in texts]
+
+    def documents(*args):
+        return [list(doc) for doc in data_datastore.corpus_documents(source, encode, *args)]
+
+    assert documents("tok-a", 0) == [[5, 5, 0], [1, 1, 1, 0]] and calls == [2]
+    files = sorted(kept.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".npz"  # no temporary file left behind
+    assert documents("tok-a", 0) == [[5, 5, 0], [1, 1, 1, 0]] and calls == [2]  # read back, not encoded
+    assert documents("tok-b", 0) == [[5, 5, 0], [1, 1, 1, 0]] and calls == [2, 2]
+    assert documents("tok-a", None) == [[5, 5], [1, 1, 1]] and calls == [2, 2, 2] and len(list(kept.iterdir())) == 3
+    assert documents(None, 0) == [[5, 5, 0], [1, 1, 1, 0]] and calls == [2, 2, 2, 2] and len(list(kept.iterdir())) == 3
+    files[0].write_bytes(b"not an archive")
+    assert documents("tok-a", 0) == [[5, 5, 0], [1, 1, 1, 0]] and calls == [2, 2, 2, 2, 2]
+    assert "cannot be read (" in capsys.readouterr().err
+    assert documents("tok-a", 0) == [[5, 5, 0], [1, 1, 1, 0]] and len(calls) == 5  # the file was replaced
+    Path(source).write_text(Path(source).read_text() + json.dumps(chat("?", "xy")) + "\n")
+    assert documents("tok-a", 0) == [[5, 5, 0], [1, 1, 1, 0], [2, 0]] and len(calls) == 6
+    (tmp_path / "blocked").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "blocked"))
+    assert documents("tok-a", 0) == [[5, 5, 0], [1, 1, 1, 0], [2, 0]] and len(calls) == 7
+    assert "could not be kept" in capsys.readouterr().err
+
+
+def test_a_large_corpus_index_is_kept_on_disk_and_read_back(tmp_path, monkeypatch, capsys):
+    """Datastore(keep=True) writes its corpus's sorted positions to the cache root once; a later datastore of the same
+    corpus reads them instead of sorting, with the same index; another corpus is another file; an unreadable or
+    mismatched file is sorted again and replaced."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(4)
+    docs = [[rng.randrange(9) for _ in range(rng.randint(1, 40))] for _ in range(30)]
+    fresh = Datastore(docs)
+    first = Datastore(docs, keep=True)
+    files = sorted((tmp_path / "cache" / "datastore").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("index-") and files[0].suffix == ".npy"
+    real = np.argsort
+    with monkeypatch.context() as patched:
+        patched.setattr(np, "argsort", lambda *a, **k: pytest.fail("sorted again"))
+        again = Datastore(docs, keep=True)
+    for store in (first, again):
+        assert store.loaded.order.tolist() == fresh.loaded.order.tolist()
+        assert store.loaded.keys.tobytes() == fresh.loaded.keys.tobytes()
+    assert again.tree([1, 2], 6) == fresh.tree([1, 2], 6)
+    Datastore(docs[1:], keep=True)
+    assert len(list((tmp_path / "cache" / "datastore").iterdir())) == 2
+    for bad in (b"not an array", None):
+        if bad is None:
+            np.save(files[0], np.arange(3, dtype=np.int32))  # another corpus's length
+        else:
+            files[0].write_bytes(bad)
+        calls = []
+        with monkeypatch.context() as patched:
+            patched.setattr(np, "argsort", lambda *a, **k: calls.append(1) or real(*a, **k))
+            rebuilt = Datastore(docs, keep=True)
+        assert calls and rebuilt.loaded.order.tolist() == fresh.loaded.order.tolist()
+        assert "cannot be read (" in capsys.readouterr().err
+        assert np.load(files[0]).tolist() == fresh.loaded.order.tolist()  # replaced
 
 
 def test_a_sharegpt_source_gives_one_document_per_assistant_turn(tmp_path):
@@ -346,15 +454,20 @@ def state_of(contexts: list[list[int]]) -> DecodeState:
 
 
 def test_prompt_lookup_adds_the_datastore_tree_within_its_nodes():
-    store = Datastore([[7, 8, 9, 10, 11]])
+    store = Datastore([[7, 8, 9, 10, 11]], request_weight=0)  # the corpus's counts alone
     # row 0: its own text has "1 2" -> 5 6, the datastore "1 2" never, "2" never: its own chain only;
     # row 1: no earlier occurrence of its last token 7 in its own text: the datastore's 8 9 10 11
     drafter = PromptLookupDrafter(num_draft=4, datastore=store)
     state = state_of([[1, 2, 5, 6, 1, 2], [3, 3, 4, 4, 4, 7]])
     assert drafter.sources(state)[1] == [[(8,), (8, 9), (8, 9, 10), (8, 9, 10, 11)]]
     assert drafter.sources(state)[0] == [[(5,), (5, 6), (5, 6, 1), (5, 6, 1, 2)]]
+    # with the request's own counts (the default weight), row 0's tree drafts from its own text as well: "2" -> 5
+    own = PromptLookupDrafter(num_draft=4, datastore=store.configured(request_weight=100))
+    chain = [(5,), (5, 6), (5, 6, 1), (5, 6, 1, 2)]
+    fresh = state_of([[1, 2, 5, 6, 1, 2], [3, 3, 4, 4, 4, 7]])  # a new generation: the run's state starts again
+    assert own.sources(fresh) == [[chain, chain], [[(8,), (8, 9), (8, 9, 10), (8, 9, 10, 11)]]]
     # a row with both: the two share their first token 5 and take turns below it, a node at a time
-    both = PromptLookupDrafter(num_draft=3, datastore=Datastore([[2, 5, 9, 9]]))
+    both = PromptLookupDrafter(num_draft=3, datastore=Datastore([[2, 5, 9, 9]], request_weight=0))
     found = both.sources(state_of([[1, 2, 5, 6, 1, 2]]))[0]
     assert found == [[(5,), (5, 6), (5, 6, 1)], [(5,), (5, 9), (5, 9, 9)]]
     draft = both.propose(state_of([[1, 2, 5, 6, 1, 2]]))
@@ -394,6 +507,10 @@ def test_greedy_equals_plain_greedy_with_the_datastores_drafts_accepted(tiny_lm)
     assert alone.sequences == plain and with_store.sequences == plain and grafted.sequences == plain
     assert with_store.stats.mean_accepted > alone.stats.mean_accepted + 0.2, (alone.stats.mean_accepted,
                                                                              with_store.stats.mean_accepted)
+    own = store.configured(request_weight=10)  # each row's own text in the counts: rows draft differently
+    for drafter in (PromptLookupDrafter(num_draft=6, datastore=own),
+                    WithLookup(MedusaDrafter(random_heads(2, tiny_lm, seed=3), tree), num_draft=6, datastore=own)):
+        assert generate(tiny_lm, ids, drafter, config, attention_mask=mask).sequences == plain
 
 
 def test_load_reads_the_datastore_before_the_model_and_decodes_exactly(tmp_path, monkeypatch):
@@ -464,6 +581,12 @@ def test_the_datastore_smoothing_is_a_load_option_checked_first(tmp_path):
         assert [engine.generate_ids(p, max_new_tokens=24).sequences[0] for p in prompts * 2] == plain * 2
     assert load("prompt_lookup", base=str(target), dtype="fp32", datastore_grow=10).drafter.datastore.smoothing == \
         "witten_bell"
+    engine = load("prompt_lookup:min_ngram=3,num_draft=6", base=str(target), dtype="fp32", datastore_grow=10_000,
+                  datastore_request_weight=25)
+    assert engine.drafter.datastore.request_weight == 25.0
+    assert [engine.generate_ids(p, max_new_tokens=24).sequences[0] for p in prompts * 2] == plain * 2
+    assert load("prompt_lookup", base=str(target), dtype="fp32", datastore_grow=10).drafter.datastore.request_weight \
+        == datastore_module.REQUEST_WEIGHT
     request = resolve("prompt_lookup", base=str(target))
     for options, needle in [
         (LoadOptions(datastore_grow=10, datastore_smoothing="kneser_ney"),
@@ -471,6 +594,12 @@ def test_the_datastore_smoothing_is_a_load_option_checked_first(tmp_path):
         (LoadOptions(datastore_smoothing="longest"), "^datastore_smoothing applies with datastore or datastore_grow"),
         (LoadOptions(datastore=Datastore([[1, 2]]), datastore_smoothing="longest"),
          "^datastore_smoothing applies to a datastore source"),
+        *((LoadOptions(datastore_grow=10, datastore_request_weight=bad),
+           r"^datastore_request_weight= must be a number >= 0 \(how many times the request's own text counts\), got ")
+          for bad in (-1, float("nan"), float("inf"), "3", True)),
+        (LoadOptions(datastore_request_weight=3), "^datastore_request_weight applies with datastore or datastore_grow"),
+        (LoadOptions(datastore=Datastore([[1, 2]]), datastore_request_weight=3),
+         "^datastore_request_weight applies to a datastore source"),
     ]:
         with pytest.raises(UsageError, match=needle):
             request.check(options)
@@ -528,17 +657,19 @@ def test_several_text_sources_checked_first_are_each_parsed_once(tmp_path, monke
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("num_draft", [3, 6])
-def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft):
+@pytest.mark.parametrize("num_draft, request_weight", [(3, 0), (6, 0), (6, 10)])
+def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_weight):
     """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
-    prefill included) for prompt lookup with a datastore, without a tree forward."""
+    prefill included) for prompt lookup with a datastore, without a tree forward, the request's own text counted in
+    the datastore's or not."""
     from tests.test_early_exit import load_script  # deferred: loads a script file as a module
 
     script = load_script("lookup_walk")
     prompts, others = repetitive_prompts(21, 4), repetitive_prompts(22, 6)
     config = DecodeConfig(max_new_tokens=24)
     other_ids, other_mask = left_pad(others)
-    store = Datastore(generate(tiny_lm, other_ids, None, config, attention_mask=other_mask).sequences)
+    store = Datastore(generate(tiny_lm, other_ids, None, config, attention_mask=other_mask).sequences,
+                      request_weight=request_weight)
     tokens = forwards = walked_tokens = walked_forwards = 0
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -590,5 +721,12 @@ def test_the_lookup_walk_refuses_a_bad_datastore_or_smoothing_before_the_model_l
     assert needle in capsys.readouterr().err
     args = script.parse_args(["--base", "x", "--datastore-smoothing", "longest,witten_bell"])
     assert args.smoothings == ["longest", "witten_bell"]
-    assert script.row_name("sharegpt_v3", "longest", args.smoothings) == "sharegpt_v3 (longest)"
-    assert script.row_name("sharegpt_v3", "longest", ["longest"]) == "sharegpt_v3"
+    assert script.row_name("sharegpt_v3", ("longest", 0.0), args) == "sharegpt_v3 (longest)"
+    with pytest.raises(SystemExit):
+        script.main(["--base", "builtin:tiny", "--datastore", good, "--datastore-request-weight", "0,-1"])
+    assert "--datastore-request-weight takes a comma list of numbers >= 0, got '0,-1'" in capsys.readouterr().err
+    args = script.parse_args(["--base", "x", "--datastore-request-weight", "0,10"])
+    assert args.weights == [0.0, 10.0] and args.smoothings == ["witten_bell"]
+    assert script.row_name("sharegpt_v3", ("witten_bell", 10.0), args) == "sharegpt_v3 (request ×10)"
+    args.weights = [10.0]
+    assert script.row_name("sharegpt_v3", ("witten_bell", 10.0), args) == "sharegpt_v3"

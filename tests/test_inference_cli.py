@@ -195,7 +195,8 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
                                   "head_vocab", "head_vocab_type", "lookup", "lookup_type", "lookup_build_tree",
                                   "datastore", "datastore_line", "datastore_lookup", "datastore_grow",
                                   "datastore_grow_lookup", "datastore_grow_build_tree", "datastore_smoothing",
-                                  "datastore_smoothing_alone"])
+                                  "datastore_smoothing_alone", "datastore_request_weight",
+                                  "datastore_request_weight_alone"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -241,6 +242,12 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "datastore_smoothing_alone": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt",
                                        "x", "--datastore-smoothing", "longest"),
                                       "--datastore-smoothing applies with --datastore or --datastore-grow"),
+        "datastore_request_weight": (("generate", "--drafter", "prompt_lookup", "--base", assets["model"], "--prompt",
+                                      "x", "--datastore-grow", "100", "--datastore-request-weight", "-2"),
+                                     "--datastore-request-weight must be a number >= 0"),
+        "datastore_request_weight_alone": (("bench", "--drafter", "prompt_lookup", "--base", assets["model"],
+                                            "--questions", assets["questions"], "--datastore-request-weight", "5"),
+                                           "--datastore-request-weight applies with --datastore or --datastore-grow"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

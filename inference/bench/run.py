@@ -237,7 +237,7 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
         "top_k": args.top_k, "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base,
         "drafter": session.drafter_name, "head_vocab": args.head_vocab, "lookup": args.lookup,
         "datastore": args.datastore, "datastore_grow": args.datastore_grow,
-        "datastore_smoothing": args.datastore_smoothing,
+        "datastore_smoothing": args.datastore_smoothing, "datastore_request_weight": args.datastore_request_weight,
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
         "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids,

@@ -24,22 +24,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from inference.drafters.datastore import Datastore
+from inference.drafters.datastore import Datastore, TextCounts
 from inference.drafters.path_trees import TreeCache, chain_nodes, paths_draft, row_prompts
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.verify import VerifyResult
 
 
 class NgramIndex:
-    """Latest occurrence of every n-gram (min_n <= n <= max_n) of one growing sequence that has a next token."""
+    """Latest occurrence of every n-gram (min_n <= n <= max_n) of one growing sequence that has a next token; with
+    `counts` (a datastore's TextCounts), what followed each n-gram is counted there too."""
 
-    def __init__(self, max_n: int, min_n: int = 1) -> None:
-        self.max_n, self.min_n = max_n, min_n
+    def __init__(self, max_n: int, min_n: int = 1, counts: TextCounts | None = None) -> None:
+        self.max_n, self.min_n, self.counts = max_n, min_n, counts
         self.tokens: list[int] = []
         self._end: dict[tuple[int, ...], int] = {}  # n-gram -> index of its last token, latest occurrence
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens; each n-gram ending just before a new token becomes findable."""
+        if self.counts is not None:
+            self.counts.extend(tokens)
         for token in tokens:
             j = len(self.tokens) - 1  # the n-grams ending at j now have a next token
             for n in range(self.min_n, min(self.max_n, j + 1) + 1):
@@ -100,8 +103,11 @@ class PromptLookupDrafter:
         return [self.row_sources(index) for index in state.drafter_state.rows]
 
     def new_index(self) -> NgramIndex:
-        """An empty index of one row's text, with this drafter's n-gram sizes."""
-        return NgramIndex(self.max_ngram, self.min_ngram)
+        """An empty index of one row's text, with this drafter's n-gram sizes (and the counts of its text a datastore
+        with a `request_weight` drafts from)."""
+        store = self.datastore
+        counts = TextCounts(store.max_match) if store is not None and store.request_weight else None
+        return NgramIndex(self.max_ngram, self.min_ngram, counts)
 
     def row_sources(self, index: NgramIndex) -> list[list[tuple[int, ...]]]:
         """One row's sources of nodes, each as token paths from the root, parents first (its index holds the row's
@@ -109,7 +115,7 @@ class PromptLookupDrafter:
         a match is left out."""
         found = [chain_nodes(index.lookup(self.num_draft))]
         if self.datastore is not None:
-            found.append(self.datastore.tree(index.tokens, self.num_draft))
+            found.append(self.datastore.tree(index.tokens, self.num_draft, index.counts))
         return [nodes for nodes in found if nodes]
 
     def propose(self, state: DecodeState) -> Draft:

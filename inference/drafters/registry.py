@@ -35,7 +35,9 @@ import torch
 
 from data.errors import UsageError
 from data.locations import is_local
-from inference.drafters.datastore import SMOOTHINGS, Datastore, check_spec, load_datastore
+from inference.drafters.datastore import (
+    REQUEST_WEIGHT, SMOOTHINGS, Datastore, check_request_weight, check_spec, load_datastore,
+)
 from inference.drafters.draft_model import build_draft_model_drafter
 from inference.drafters.draft_stop import check_stop_spec
 from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
@@ -57,8 +59,8 @@ from models.eagle3 import load_eagle3
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
-OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore", "datastore_grow",
-            "datastore_smoothing")  # options a type may not take
+OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore", "datastore_grow", "datastore_smoothing",
+            "datastore_request_weight")  # options a type may not take
 MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
 
 
@@ -79,6 +81,9 @@ class LoadOptions:
     # with `datastore` or `datastore_grow`: how the datastore's counts make the next token's distribution (one of
     # inference.drafters.datastore.SMOOTHINGS); None: the first, Witten-Bell interpolation
     datastore_smoothing: str | None = None
+    # with `datastore` or `datastore_grow`: how many times the request's own prompt and answer so far count beside the
+    # datastore's corpus in its counts; None: inference.drafters.datastore.REQUEST_WEIGHT
+    datastore_request_weight: float | None = None
 
     def with_datastore(self, tokenizer: Any, naming: "Naming") -> "LoadOptions":
         """These options with `datastore` read and indexed (a path given; `tokenizer` encodes a text source), or an
@@ -86,9 +91,12 @@ class LoadOptions:
         if isinstance(self.datastore, Datastore) or (self.datastore is None and self.datastore_grow is None):
             return self
         store = load_datastore(self.datastore, tokenizer, label=naming.datastore, max_served=self.datastore_grow or 0,
-                               smoothing=self.datastore_smoothing or SMOOTHINGS[0])
-        # the Datastore carries them (max_served, smoothing)
-        return replace(self, datastore=store, datastore_grow=None, datastore_smoothing=None)
+                               smoothing=self.datastore_smoothing or SMOOTHINGS[0],
+                               request_weight=(REQUEST_WEIGHT if self.datastore_request_weight is None
+                                               else self.datastore_request_weight))
+        # the Datastore carries them (max_served, smoothing, request_weight)
+        return replace(self, datastore=store, datastore_grow=None, datastore_smoothing=None,
+                       datastore_request_weight=None)
 
 
 @dataclass(frozen=True)
@@ -104,14 +112,15 @@ class Naming:
     datastore: str  # without "=": messages name the source as <datastore>=<path>
     datastore_grow: str
     datastore_smoothing: str
+    datastore_request_weight: str
 
 
 API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=",
              lookup="lookup=", datastore="datastore", datastore_grow="datastore_grow=",
-             datastore_smoothing="datastore_smoothing=")
+             datastore_smoothing="datastore_smoothing=", datastore_request_weight="datastore_request_weight=")
 CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab",
              lookup="--lookup", datastore="--datastore", datastore_grow="--datastore-grow",
-             datastore_smoothing="--datastore-smoothing")
+             datastore_smoothing="--datastore-smoothing", datastore_request_weight="--datastore-request-weight")
 
 
 @dataclass(frozen=True)
@@ -158,8 +167,8 @@ class DrafterRequest:
                                                    or options.datastore_grow < 1):
             raise UsageError(f"{naming.datastore_grow} must be a whole number of tokens >= 1 (the served answers' "
                              f"tokens kept), got {options.datastore_grow!r}")
-        if options.datastore_smoothing is not None:
-            self.check_smoothing(options, naming)
+        if options.datastore_smoothing is not None or options.datastore_request_weight is not None:
+            self.check_settings(options, naming)
         if options.datastore is not None or options.datastore_grow is not None:
             self.check_datastore(options, naming)
         if options.head_vocab is not None:
@@ -168,18 +177,28 @@ class DrafterRequest:
             kind.build(self, None, replace(options, datastore=None), None)
 
     @staticmethod
-    def check_smoothing(options: LoadOptions, naming: Naming) -> None:
-        """`datastore_smoothing` is one of SMOOTHINGS, and there is a datastore source (or growth) for it to shape."""
-        name = naming.datastore_smoothing.rstrip("=")
-        if options.datastore_smoothing not in SMOOTHINGS:
+    def check_settings(options: LoadOptions, naming: Naming) -> None:
+        """`datastore_smoothing` is one of SMOOTHINGS, `datastore_request_weight` a number >= 0, and there is a
+        datastore source (or growth) for them to shape."""
+        if options.datastore_smoothing is not None and options.datastore_smoothing not in SMOOTHINGS:
             raise UsageError(f"{naming.datastore_smoothing} must be one of {', '.join(SMOOTHINGS)}, got "
                              f"{options.datastore_smoothing!r}")
-        if options.datastore is None and options.datastore_grow is None:
-            raise UsageError(f"{name} applies with {naming.datastore} or {naming.datastore_grow.rstrip('=')}: it "
-                             f"sets how the datastore drafts")
-        if isinstance(options.datastore, Datastore):
-            raise UsageError(f"{name} applies to a datastore source (a path) or none; a Datastore object is built "
-                             f"with its smoothing")
+        if options.datastore_request_weight is not None:
+            try:
+                check_request_weight(options.datastore_request_weight)
+            except ValueError:
+                raise UsageError(f"{naming.datastore_request_weight} must be a number >= 0 (how many times the "
+                                 f"request's own text counts), got {options.datastore_request_weight!r}") from None
+        for field in ("datastore_smoothing", "datastore_request_weight"):
+            if getattr(options, field) is None:
+                continue
+            name = getattr(naming, field).rstrip("=")
+            if options.datastore is None and options.datastore_grow is None:
+                raise UsageError(f"{name} applies with {naming.datastore} or {naming.datastore_grow.rstrip('=')}: "
+                                 f"it sets how the datastore drafts")
+            if isinstance(options.datastore, Datastore):
+                raise UsageError(f"{name} applies to a datastore source (a path) or none; a Datastore object is "
+                                 f"built with its settings (Datastore.configured)")
 
     def check_datastore(self, options: LoadOptions, naming: Naming) -> None:
         """A tree drafter's datastore chain shares the nodes `lookup` adds, so it needs `lookup`; the source is
@@ -275,7 +294,7 @@ KEYWORD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "prompt_lookup": PromptLookupDrafter,
 }
 # the load options (OPTIONAL) each one takes
-DATASTORE_OPTIONS = frozenset({"datastore", "datastore_grow", "datastore_smoothing"})
+DATASTORE_OPTIONS = frozenset({"datastore", "datastore_grow", "datastore_smoothing", "datastore_request_weight"})
 KEYWORD_TAKES = {"prompt_lookup": DATASTORE_OPTIONS}
 
 
