@@ -38,8 +38,11 @@ the CPU recipe's answers, 245 MB for ShareGPT V3's 10.2M, at the default MAX_MAT
 
 Loading: `load_datastore` keeps the last INDEXES_KEPT corpora it indexed, by their sources' signatures (a recipe's
 name, a path's files' sizes and modification times) and the tokenizer, so a second engine of the process over the
-same sources (a bench's methods side by side) shares the index instead of reading, tokenising and indexing again
-(about 25 s for ShareGPT V3); a source whose files changed is read again.
+same sources (a bench's methods side by side) shares the index instead of reading, tokenising and indexing again;
+a source whose files changed is read again. Between processes the cache root keeps a text source's tokenised answers
+(data.datastore) and the index of a corpus of INDEX_NOTICE tokens or more (SuffixIndex.kept), each under a hash of
+its content: ShareGPT V3 loads in about 9 s from them (parsing its JSON is most of it), about 50 s without, on 2
+slow cores.
 
 Growing while serving (`max_served` > 0, as SuffixDecoding's global tree): `add` indexes each answer the engine has
 served, so later requests draft from it too. Served answers go into segments of their own, oldest first; the newest
