@@ -18,7 +18,7 @@ line checks it, `load` checks it again and then encodes it, all from one parse.
 
 Tokenised answers are kept on disk (<cache root>/datastore/<key>.npz, data.cache), keyed by a hash of the answers'
 text, the tokenizer's fingerprint and the end token: a later process reads ShareGPT V3's 10.2M tokens back in about a
-second instead of tokenising them again (about 25 s on 2 cores). Changed text or another tokenizer is another key; an
+second instead of tokenising them again (13–30 s on 2 cores). Changed text or another tokenizer is another key; an
 unreadable file is tokenised again and replaced; a file is written whole or not at all. Without a tokenizer
 fingerprint nothing is kept.
 """

@@ -216,7 +216,8 @@ class Datastore:
         self.request_weight = float(request_weight)
         self.num_documents = len(parts)
         self.max_id = max((self._checked(p) for p in parts), default=-1)
-        self.loaded = None if not parts else (SuffixIndex.kept if keep else SuffixIndex.of_documents)(parts, max_match + 1)
+        index = SuffixIndex.kept if keep else SuffixIndex.of_documents
+        self.loaded = index(parts, max_match + 1) if parts else None
         self.served: list[SuffixIndex] = []  # oldest first
         self.num_served = 0  # answers added since construction (kept or dropped since)
         self.memo: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, int]] = {}  # suffix -> its next_probs
@@ -326,6 +327,7 @@ class Datastore:
         return found
 
     def _distribution(self, key: tuple[int, ...], own: TextCounts | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """next_probs of the suffix `key`, computed (not remembered), with `own`'s counts when given."""
         if self.smoothing == "longest":
             tokens, counts, n = self.next_counts(key, own=own)
             return tokens, counts / max(float(counts.sum()), 1.0), n
