@@ -26,15 +26,15 @@ fingerprint nothing is kept.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import BinaryIO, Callable, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from data.atomic import write_file
 from data.cache import cache_root
 from data.chat import IGNORE_INDEX
 from data.config import available_data_configs, load_data_config
@@ -206,7 +206,28 @@ def tokens_file(texts: Sequence[str], tokenizer_hash: str, end: int | None) -> P
         data = text.encode("utf-8", "surrogatepass")
         digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)
-    return cache_root() / "datastore" / f"{digest.hexdigest()[:32]}.npz"
+    return cache_file(f"{digest.hexdigest()[:32]}.npz")
+
+
+def cache_file(name: str) -> Path:
+    """<cache root>/datastore/`name`: the folder where datastores keep what they computed (see the module docstring
+    and inference.drafters.datastore.SuffixIndex.kept)."""
+    return cache_root() / "datastore" / name
+
+
+def keep_file(path: Path, write: Callable[[BinaryIO], None], what: str) -> None:
+    """`write(f)` fills `path` (a cache_file) through an open binary file, written whole (data.atomic.write_file) or
+    not at all: a cache that cannot be written is a note on stderr, not an error, since the datastore works without
+    it."""
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: numpy adds no suffix to the temporary's name
+            write(f)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, fill)
+    except OSError as err:
+        print(f"datastore: {what} could not be kept at {path}: {err}", file=sys.stderr)
 
 
 def read_tokens(path: Path) -> list[np.ndarray] | None:
@@ -225,15 +246,7 @@ def read_tokens(path: Path) -> list[np.ndarray] | None:
 
 
 def write_tokens(path: Path, documents: Sequence[Sequence[int]]) -> None:
-    """Keep `documents` at `path`, written whole (a temporary file renamed) or not at all (a full disk is a note,
-    not an error: the datastore works without it)."""
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ids = np.fromiter((t for doc in documents for t in doc), np.int32, sum(map(len, documents)))
-        np.savez(tmp, ids=ids, ends=np.cumsum([len(doc) for doc in documents], dtype=np.int64))
-        os.replace(tmp, path)
-    except OSError as err:
-        if tmp.is_file():
-            tmp.unlink()
-        print(f"datastore: the tokenised answers could not be kept at {path}: {err}", file=sys.stderr)
+    """Keep `documents` at `path` (keep_file: whole or not at all)."""
+    ids = np.fromiter((t for doc in documents for t in doc), np.int32, sum(map(len, documents)))
+    ends = np.cumsum([len(doc) for doc in documents], dtype=np.int64)
+    keep_file(path, lambda f: np.savez(f, ids=ids, ends=ends), "the tokenised answers")

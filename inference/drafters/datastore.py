@@ -60,7 +60,6 @@ import copy
 import hashlib
 import heapq
 import itertools
-import os
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -68,8 +67,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from data.cache import cache_root
-from data.datastore import SEPARATOR, check_source, corpus_documents, source_signature, sources_of
+from data.datastore import (
+    SEPARATOR, cache_file, check_source, corpus_documents, keep_file, source_signature, sources_of,
+)
 from data.errors import UsageError
 from models.fingerprint import tokenizer_fingerprint
 
@@ -111,7 +111,7 @@ class SuffixIndex:
         corpus = corpus_of(parts)
         digest = hashlib.sha256(f"{width}\0{len(corpus)}\0".encode())
         digest.update(corpus.tobytes())
-        path = cache_root() / "datastore" / f"index-{digest.hexdigest()[:32]}.npy"
+        path = cache_file(f"index-{digest.hexdigest()[:32]}.npy")
         order = None
         if path.is_file():
             try:
@@ -123,7 +123,7 @@ class SuffixIndex:
                 order = None
         index = cls(corpus, width, order)
         if order is None:
-            keep_array(path, index.order)
+            keep_file(path, lambda f: np.save(f, index.order), "the index")
         return index
 
     def merged(self, other: "SuffixIndex") -> "SuffixIndex":
@@ -154,20 +154,6 @@ class SuffixIndex:
 def corpus_of(parts: Sequence[np.ndarray]) -> np.ndarray:
     """[N] int32: each document's ids + 1, each followed by a 0 (a continuation never crosses documents)."""
     return np.concatenate([np.append(p + 1, 0) for p in parts]).astype(np.int32)
-
-
-def keep_array(path: Path, array: np.ndarray) -> None:
-    """Write `array` to `path` whole (a temporary file renamed) or not at all: a cache that cannot be written is a
-    note, not an error."""
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.save(tmp, array)
-        os.replace(tmp, path)
-    except OSError as err:
-        if tmp.is_file():
-            tmp.unlink()
-        print(f"datastore: the index could not be kept at {path}: {err}", file=sys.stderr)
 
 
 class TextCounts:
