@@ -1,0 +1,63 @@
+"""What a target forward costs by drafted nodes (inference.engine.step_cost, scripts/step_cost.py): the curve's
+parsing, interpolation and break-even, its measurement on a tiny target as the loop runs it, and the script's output
+and one-line refusals. Nothing here asserts a speed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.engine.step_cost import StepCost, measure_step_cost
+from tests.model_support import save_tiny_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_a_curve_reads_its_text_form_interpolates_and_gives_the_break_even():
+    cost = StepCost.parse("0:100,1:150,4:180,8:220")
+    assert cost.points == ((0, 100.0), (1, 150.0), (4, 180.0), (8, 220.0))
+    assert StepCost.parse(str(cost)) == cost
+    assert cost.ms(0) == 100 and cost.ms(2) == pytest.approx(160) and cost.ms(6) == pytest.approx(200)
+    assert cost.ms(12) == pytest.approx(260)  # past the last point: the last two points' slope (10 ms a node)
+    assert StepCost(((0, 50.0),)).ms(7) == 50.0
+    # a step of 8 nodes costs 2.2 plain ones: it must accept 1.2 drafts on average to make tokens as fast
+    assert cost.break_even(8) == pytest.approx(1.2) and cost.break_even(0) == 0
+    for bad, needle in (("1:100,2:150", "ascending from 0"), ("0:100,0:120", "ascending from 0"),
+                        ("0:100,1:0", "milliseconds > 0"), ("0:100,1:nan", "milliseconds > 0"),
+                        ("0:100,x", "expected K:MS items"), ("0:100,1.5:120", "expected K:MS items"), ("", "K:MS")):
+        with pytest.raises(ValueError, match=needle):
+            StepCost.parse(bad)
+
+
+def test_the_measurement_times_each_size_and_leaves_the_target_as_it_was(tiny_lm):
+    ids = torch.tensor([[3, 4, 5, 6]])
+    before = tiny_lm(ids).logits
+    seen = []
+    cost = measure_step_cost(tiny_lm, (0, 1, 3), repeats=2, context=16, progress=lambda k, ms: seen.append(k))
+    assert [k for k, _ in cost.points] == [0, 1, 3] == seen
+    assert all(ms > 0 for _, ms in cost.points)
+    assert torch.equal(tiny_lm(ids).logits, before)
+
+
+def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
+    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
+
+    script = load_script("step_cost")
+    target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
+    base = ["--base", str(target), "--dtype", "fp32", "--threads", "1"]
+    assert script.main([*base, "--nodes", "0,2,5", "--repeats", "1", "--context", "8", "--quiet"]) == 0
+    out = capsys.readouterr()
+    curve = out.out.strip().splitlines()[-1]  # (a library's import notice may come first in this process)
+    assert [k for k, _ in StepCost.parse(curve).points] == [0, 2, 5]
+    assert out.err.count("drafted nodes:") == 3  # a progress line a size
+    assert script.main([*base, "--nodes", "0,4", "--repeats", "1", "--context", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "| 0 (plain) |" in table and "| 4 |" in table and "break-even" in table
+    monkeypatch.setattr(script, "open_session", lambda *a, **k: pytest.fail("the model loaded"))
+    for argv, needle in (([*base, "--nodes", "1,2"], "--nodes takes whole numbers ascending from 0"),
+                         ([*base, "--nodes", "0,x"], "--nodes takes whole numbers ascending from 0"),
+                         ([*base, "--repeats", "0"], "--repeats and --context must be >= 1"),
+                         ([*base, "--drafter", "prompt_lookup"], "--drafter: this script times the target alone")):
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
