@@ -198,12 +198,20 @@ def test_the_tree_takes_the_most_likely_nodes_best_first(smoothing):
         docs = [[rng.randrange(5) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 5))]
         context = [rng.randrange(6) for _ in range(rng.randint(1, 6))]
         max_match, size = rng.randint(1, 4), rng.randint(1, 9)
-        nodes = Datastore(docs, max_match=max_match, smoothing=smoothing).tree(context, size)
+        store = Datastore(docs, max_match=max_match, smoothing=smoothing)
+        nodes = store.tree(context, size)
         scores = naive_scores(docs, context, size, max_match, smoothing)
         got = [scores[node] for node in nodes]
         assert len(set(nodes)) == len(nodes) and all(n[:-1] == () or n[:-1] in nodes[:i] for i, n in enumerate(nodes))
         assert got == sorted(got, reverse=True)
         assert got == pytest.approx(sorted(scores.values(), reverse=True)[:size]), (docs, context, max_match)
+        # the scores it ranks by, and the same score for a path asked for directly (a chain's nodes)
+        scored = store.scored_tree(context, size)
+        assert [path for path, _ in scored] == nodes and [score for _, score in scored] == pytest.approx(got)
+        for path, score in scored:
+            prefixes = [path[:i] for i in range(1, len(path) + 1)]
+            assert store.path_scores(context, path) == pytest.approx([scores[p] for p in prefixes])
+        assert store.path_scores(context, [9, 1]) == [0.0, 0.0]  # 9 never follows: nothing below it counts either
 
 
 def test_text_counts_count_what_followed_every_short_ngram():
@@ -477,6 +485,48 @@ def test_prompt_lookup_adds_the_datastore_tree_within_its_nodes():
     assert draft.tokens.tolist() == [[2, 5, 9, 9]]
 
 
+def test_prompt_lookup_drafts_only_where_the_datastore_expects_enough_accepted():
+    """min_expected: a row drafts when the sum of its nodes' scores reaches it; a chain node is scored by the
+    datastore's probabilities along its path, a node both sources draft by the larger score."""
+    store = Datastore([[7, 8, 9]] * 3 + [[7, 8, 5]], smoothing="longest", request_weight=0)
+    # no earlier 7 in the row's own text: the datastore's tree alone, "7" -> 8 (1), "7 8" -> 9 (3/4), 5 (1/4)
+    row = [[3, 3, 4, 4, 4, 7]]
+    for threshold, drafts in ((0.0, True), (2.0, True), (2.01, False)):
+        drafter = PromptLookupDrafter(num_draft=3, datastore=store, min_expected=threshold)
+        assert drafter.sources(state_of(row)) == ([[[(8,), (8, 9), (8, 5)]]] if drafts else [[]]), threshold
+    # the chain 5 6 1 and the tree 5 9 9 share 5 (score 1 in both); the 3 nodes taken are 5, 6 (the chain's: 0, as
+    # "2 5" is followed by 9 alone) and 9 (1): 2 expected
+    both = Datastore([[2, 5, 9, 9]], smoothing="longest", request_weight=0)
+    row = [[1, 2, 5, 6, 1, 2]]
+    assert PromptLookupDrafter(num_draft=3, datastore=both, min_expected=2.0).sources(state_of(row)) == \
+        [[[(5,), (5, 6), (5, 6, 1)], [(5,), (5, 9), (5, 9, 9)]]]
+    gated = PromptLookupDrafter(num_draft=3, datastore=both, min_expected=2.5)
+    assert gated.sources(state_of(row)) == [[]]
+    draft = gated.propose(state_of(row + [[3, 3, 4, 4, 4, 7]]))  # the other row drafts nothing either: root only
+    assert draft.tree.num_nodes == 1 and draft.tokens.tolist() == [[2], [7]]
+    for bad in (-0.5, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="prompt_lookup: min_expected must be a number >= 0"):
+            PromptLookupDrafter(datastore=store, min_expected=bad)
+    with pytest.raises(ValueError, match="prompt_lookup: min_expected needs a datastore"):
+        PromptLookupDrafter(min_expected=1.0)
+    assert PromptLookupDrafter(min_expected=0.0).min_expected == 0.0
+
+
+def test_min_expected_is_checked_with_the_load_options_before_the_model_loads(tmp_path, monkeypatch):
+    target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
+    source = sharegpt_file(tmp_path, [chat("hi", "hello world, hello there!")])
+    request = resolve("prompt_lookup:min_expected=1.5", base=str(target))
+    request.check(LoadOptions(datastore=source))  # an empty datastore stands in for the one read at load
+    request.check(LoadOptions(datastore_grow=100))
+    with pytest.raises(ValueError, match="^prompt_lookup: min_expected needs a datastore"):
+        request.check(LoadOptions())
+    engine = load("prompt_lookup:min_expected=1.5", base=str(target), dtype="fp32", datastore=source)
+    assert engine.drafter.min_expected == 1.5 and engine.drafter.datastore.num_documents == 1
+    monkeypatch.setattr(api, "load_target", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match="^prompt_lookup: min_expected needs a datastore"):
+        load("prompt_lookup:min_expected=1.5", base=str(target), dtype="fp32")
+
+
 def test_a_datastore_is_a_load_option_never_a_spec_option(tmp_path):
     with pytest.raises(UsageError, match="prompt_lookup: unknown option 'datastore'"):
         build_training_free("prompt_lookup", {"datastore": "x"})
@@ -507,6 +557,12 @@ def test_greedy_equals_plain_greedy_with_the_datastores_drafts_accepted(tiny_lm)
     assert alone.sequences == plain and with_store.sequences == plain and grafted.sequences == plain
     assert with_store.stats.mean_accepted > alone.stats.mean_accepted + 0.2, (alone.stats.mean_accepted,
                                                                              with_store.stats.mean_accepted)
+    gated = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=6, datastore=store, min_expected=1.0), config,
+                     attention_mask=mask)
+    never = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=6, datastore=store, min_expected=1e9), config,
+                     attention_mask=mask)
+    assert gated.sequences == plain and never.sequences == plain
+    assert never.stats.mean_accepted == 0 and never.stats.steps == max(map(len, plain)) - 1  # a token a step
     own = store.configured(request_weight=10)  # each row's own text in the counts: rows draft differently
     for drafter in (PromptLookupDrafter(num_draft=6, datastore=own),
                     WithLookup(MedusaDrafter(random_heads(2, tiny_lm, seed=3), tree), num_draft=6, datastore=own)):
@@ -657,11 +713,12 @@ def test_several_text_sources_checked_first_are_each_parsed_once(tmp_path, monke
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("num_draft, request_weight", [(3, 0), (6, 0), (6, 10)])
-def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_weight):
+@pytest.mark.parametrize("num_draft, request_weight, min_expected", [(3, 0, 0.0), (6, 0, 0.0), (6, 10, 0.0),
+                                                                    (6, 10, 1.0)])
+def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_weight, min_expected):
     """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
     prefill included) for prompt lookup with a datastore, without a tree forward, the request's own text counted in
-    the datastore's or not."""
+    the datastore's or not, drafting every step or only where it expects enough accepted; and the nodes it drafts."""
     from tests.test_early_exit import load_script  # deferred: loads a script file as a module
 
     script = load_script("lookup_walk")
@@ -671,14 +728,18 @@ def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_w
     store = Datastore(generate(tiny_lm, other_ids, None, config, attention_mask=other_mask).sequences,
                       request_weight=request_weight)
     tokens = forwards = walked_tokens = walked_forwards = 0
+    drafted: list[int] = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=num_draft, datastore=store), config)
+        drafter = PromptLookupDrafter(num_draft=num_draft, datastore=store, min_expected=min_expected)
+        out = generate(tiny_lm, ids, drafter, config)
         tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
-        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store), num_draft)
+        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store, min_expected=min_expected),
+                           num_draft, drafted)
         walked_tokens, walked_forwards = walked_tokens + t, walked_forwards + f
     assert (walked_tokens, walked_forwards) == (tokens, forwards)
     assert tokens / forwards > 1.2  # drafts were accepted
+    assert len(drafted) == forwards - len(prompts) and 0 < max(drafted) <= num_draft  # a count a step
 
 
 def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tiny_lm):

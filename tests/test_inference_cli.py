@@ -196,7 +196,7 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
                                   "datastore", "datastore_line", "datastore_lookup", "datastore_grow",
                                   "datastore_grow_lookup", "datastore_grow_build_tree", "datastore_smoothing",
                                   "datastore_smoothing_alone", "datastore_request_weight",
-                                  "datastore_request_weight_alone"])
+                                  "datastore_request_weight_alone", "min_expected", "min_expected_alone"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -248,6 +248,12 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "datastore_request_weight_alone": (("bench", "--drafter", "prompt_lookup", "--base", assets["model"],
                                             "--questions", assets["questions"], "--datastore-request-weight", "5"),
                                            "--datastore-request-weight applies with --datastore or --datastore-grow"),
+        "min_expected": (("generate", "--drafter", "prompt_lookup", "--drafter-option", "min_expected=-1", "--base",
+                          assets["model"], "--prompt", "x", "--datastore-grow", "100"),
+                         "prompt_lookup: min_expected must be a number >= 0"),
+        "min_expected_alone": (("bench", "--drafter", "prompt_lookup", "--drafter-option", "min_expected=1.5", "--base",
+                                assets["model"], "--questions", assets["questions"]),
+                               "prompt_lookup: min_expected needs a datastore (--datastore or --datastore-grow)"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

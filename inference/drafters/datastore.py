@@ -379,6 +379,12 @@ class Datastore:
         """Up to `size` nodes of the draft tree after `context`, best first (see the module docstring), with `own`'s
         counts of the request's own text (TextCounts; None: the corpus alone), each as its token path from the root;
         a node comes after its parent; on a tie of scores the node found first."""
+        return [path for path, _ in self.scored_tree(context, size, own)]
+
+    def scored_tree(self, context: Sequence[int], size: int, own: TextCounts | None = None
+                    ) -> list[tuple[tuple[int, ...], float]]:
+        """`tree`'s nodes with their scores: a node's score is the product of `next_probs` along its path, the
+        datastore's estimate of the chance that greedy verification accepts it."""
         tail = tuple(context[-self.max_match :])
         frontier: list[tuple[float, int, tuple[int, ...], int]] = []  # heap of (-score, order found, path, longest)
         found = itertools.count()
@@ -388,14 +394,28 @@ class Datastore:
             for token, prob in zip(tokens[:TREE_BRANCH].tolist(), probs[:TREE_BRANCH].tolist()):
                 heapq.heappush(frontier, (-score * prob, next(found), path + (token,), n + 1))
 
-        nodes: list[tuple[int, ...]] = []
+        nodes: list[tuple[tuple[int, ...], float]] = []
         expand((), 1.0, self.max_match)
         while frontier and len(nodes) < size:
             score, _, path, longest = heapq.heappop(frontier)
-            nodes.append(path)
+            nodes.append((path, -score))
             if len(nodes) < size:
                 expand(path, -score, longest)
         return nodes
+
+    def path_scores(self, context: Sequence[int], path: Sequence[int], own: TextCounts | None = None) -> list[float]:
+        """The score (`scored_tree`'s) of each prefix of `path` after `context`: the product of the probabilities
+        `next_probs` gives its tokens, 0 from the first token it does not give."""
+        tail = tuple(context[-self.max_match :])
+        scores: list[float] = []
+        score, longest = 1.0, self.max_match
+        for i, token in enumerate(path):
+            tokens, probs, n = self.next_probs(tail + tuple(path[:i]), longest, own)
+            hit = np.flatnonzero(tokens == token)
+            score = score * float(probs[hit[0]]) if len(hit) else 0.0
+            scores.append(score)
+            longest = n + 1 if n else self.max_match
+        return scores
 
 
 def check_request_weight(weight: float) -> None:

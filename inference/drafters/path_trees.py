@@ -74,6 +74,16 @@ def merge_rows(rows: Sequence[Sequence[tuple[Path_, int]]], max_nodes: int) -> l
     return list(union)
 
 
+def taken_nodes(sources: Sequence[Sequence[Sequence[int]]], max_nodes: int) -> list[tuple[int, ...]]:
+    """The token paths of the nodes that one row's `sources`, taking turns (`rank_tree`), keep under a cap of
+    `max_nodes` (`merge_rows`): what that row drafts, parents first."""
+    ranked = rank_tree((), sources)
+    tokens_of: dict[Path_, tuple[int, ...]] = {(): ()}
+    for rank, token in ranked:
+        tokens_of[rank] = tokens_of[rank[:-1]] + (token,)
+    return [tokens_of[rank] for rank in merge_rows([ranked], max_nodes)]
+
+
 class TreeCache:
     """Built TreeBuffers by shape, least recently used dropped first. Shapes recur across steps (a chain of a given
     length, a popular branching), and `build_tree` costs milliseconds of small tensor ops."""

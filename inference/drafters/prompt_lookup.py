@@ -15,17 +15,26 @@ the tree merge into one token tree (a shared start drafted once) and take turns,
 (`Datastore.max_served`) gets every answer once its generation has ended (`finish`), so a later request drafts from the
 answers served before it.
 
+A drafted step costs more than a plain one: on a CPU, SmolLM2-135M's forward over 9 tokens took 2.45 times its forward
+over one (`scripts/step_cost.py` measures a host). With a datastore, `min_expected` > 0 drafts a row's nodes only when the
+datastore expects at least that many of them accepted: the sum of their scores (`Datastore.scored_tree`: the product
+of its next-token probabilities along a node's path; a chain node gets the same product for its path, and a node both
+sources draft, the larger). A row below it drafts nothing that step, so a step where no row drafts is a plain
+one-token forward. A step pays when 1 + expected accepted > t(N) / t(0), the cost of an N-node forward in plain ones:
+min_expected = t(N) / t(0) - 1 is the break-even point (docs/eagle3.md, "Drafting only when it pays").
+
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
 the one-hot rule (inference.engine.verify) keep the output exact.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from inference.drafters.datastore import Datastore, TextCounts
-from inference.drafters.path_trees import TreeCache, chain_nodes, paths_draft, row_prompts
+from inference.drafters.path_trees import TreeCache, chain_nodes, paths_draft, row_prompts, taken_nodes
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.verify import VerifyResult
 
@@ -76,20 +85,27 @@ class LookupRun:
 
 class PromptLookupDrafter:
     """A chain of up to `num_draft` tokens per row from an `NgramIndex` over that row's prompt and output; with a
-    `datastore`, also the datastore's tree for the row (the two share `num_draft` nodes, a node at a time).
+    `datastore`, also the datastore's tree for the row (the two share `num_draft` nodes, a node at a time), and with
+    `min_expected` > 0 only when the datastore expects that many of the row's nodes accepted (module docstring).
     Rows without a match contribute no nodes (fillers where other rows drafted; a root-only tree when none did)."""
 
     needs_hidden = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 8,
-                 datastore: Datastore | None = None) -> None:
+                 datastore: Datastore | None = None, min_expected: float = 0.0) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt_lookup: need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
                              f"max_ngram={max_ngram}")
         if num_draft < 1:
             raise ValueError(f"prompt_lookup: num_draft must be >= 1, got {num_draft}")
+        if isinstance(min_expected, bool) or not math.isfinite(min_expected) or min_expected < 0:
+            raise ValueError(f"prompt_lookup: min_expected must be a number >= 0 (accepted drafts a step), got "
+                             f"{min_expected!r}")
+        if min_expected and datastore is None:
+            raise ValueError("prompt_lookup: min_expected needs a datastore (--datastore or --datastore-grow): the "
+                             "expected acceptance comes from its next-token probabilities")
         self.max_ngram, self.min_ngram, self.num_draft = max_ngram, min_ngram, num_draft
-        self.datastore = datastore
+        self.datastore, self.min_expected = datastore, float(min_expected)
         self._trees = TreeCache()
 
     def sources(self, state: DecodeState) -> list[list[list[tuple[int, ...]]]]:
@@ -113,10 +129,28 @@ class PromptLookupDrafter:
         """One row's sources of nodes, each as token paths from the root, parents first (its index holds the row's
         prompt and committed tokens): its own text's chain, then the datastore's tree, best first; a source without
         a match is left out."""
-        found = [chain_nodes(index.lookup(self.num_draft))]
-        if self.datastore is not None:
-            found.append(self.datastore.tree(index.tokens, self.num_draft, index.counts))
-        return [nodes for nodes in found if nodes]
+        chain = index.lookup(self.num_draft)
+        if self.datastore is None:
+            return [chain_nodes(chain)] if chain else []
+        scored = self.datastore.scored_tree(index.tokens, self.num_draft, index.counts)
+        found = [nodes for nodes in (chain_nodes(chain), [path for path, _ in scored]) if nodes]
+        if self.min_expected and self.expected(index, chain, scored, found) < self.min_expected:
+            return []
+        return found
+
+    def expected(self, index: NgramIndex, chain: list[int], scored: list[tuple[tuple[int, ...], float]],
+                 found: list[list[tuple[int, ...]]]) -> float:
+        """Accepted drafts the datastore expects of the nodes a row drafts from `found` (its sources, taking turns for
+        `num_draft` nodes): the sum of their scores, a chain node's being the datastore's score of its path. The
+        chain is scored only when the tree's nodes alone fall short of `min_expected` (its scores only add)."""
+        score = dict(scored)
+        taken = taken_nodes(found, self.num_draft)
+        from_tree = sum(score.get(path, 0.0) for path in taken)
+        if from_tree >= self.min_expected or not chain:
+            return from_tree
+        for path, value in zip(chain_nodes(chain), self.datastore.path_scores(index.tokens, chain, index.counts)):
+            score[path] = max(value, score.get(path, 0.0))
+        return sum(score.get(path, 0.0) for path in taken)
 
     def propose(self, state: DecodeState) -> Draft:
         return paths_draft(state.root, self.sources(state), self.num_draft, self._trees, take_turns=True)

@@ -173,8 +173,11 @@ class DrafterRequest:
             self.check_datastore(options, naming)
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
-        if self.spec is not None:  # its options and their values, as its builder takes them: no target needed
-            kind.build(self, None, replace(options, datastore=None), None)
+        if self.spec is not None:  # its options and their values, as its builder takes them: no target needed; an
+            # empty datastore stands in for one given (read when the drafter is built), for options that need one
+            has_store = options.datastore is not None or options.datastore_grow is not None
+            stand_in = Datastore([], max_served=1) if has_store else None
+            kind.build(self, None, replace(options, datastore=stand_in), None)
 
     @staticmethod
     def check_settings(options: LoadOptions, naming: Naming) -> None:
