@@ -8,6 +8,8 @@ target's greedy answers, no tree forward.
         --questions gsm8k:24:spread --orders 5
     python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --datastore-smoothing witten_bell,longest
     python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --datastore-request-weight 0,100
+    python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --min-expected 0,0.5,1,1.25,1.5 \
+        --forward-ms "$(python scripts/step_cost.py --base smollm2 --quiet)"
 
 Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
 engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
@@ -22,13 +24,18 @@ as `load(..., datastore_grow=N)` does), from nothing and from each datastore: τ
 and range over --orders shuffles of them (what a request gains then depends on what was served before it).
 Every datastore row is walked with each of --datastore-smoothing's distributions (inference.drafters.datastore:
 Witten-Bell interpolation over the matched suffixes, or the longest match's counts) and each of
---datastore-request-weight's weights of the request's own text in its counts, over one index.
+--datastore-request-weight's weights of the request's own text in its counts, over one index, and prompt lookup with
+each datastore at each of --min-expected's thresholds (a row drafts only when the datastore expects that many of its
+nodes accepted; 0: always). Each row also gives the nodes drafted a step, the share of steps that drafted, and with
+--forward-ms (a forward's milliseconds by drafted nodes, as scripts/step_cost.py prints them) the speed those steps
+would have against plain decoding, from the forwards alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import random
 import statistics
 import sys
@@ -44,8 +51,9 @@ from inference import load  # noqa: E402
 from inference.bench.prompt_sets import load_questions  # noqa: E402
 from inference.drafters.datastore import (  # noqa: E402
     REQUEST_WEIGHT, SMOOTHINGS, Datastore, check_request_weight, check_spec, load_datastore)
-from inference.drafters.path_trees import chain_nodes, merge_rows, rank_tree  # noqa: E402
+from inference.drafters.path_trees import chain_nodes, merge_rows, rank_tree, taken_nodes  # noqa: E402
 from inference.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter  # noqa: E402
+from inference.engine.step_cost import StepCost  # noqa: E402
 
 
 def accepted(sources: list[list[tuple[int, ...]]], max_nodes: int, answer: list[int]) -> int:
@@ -62,13 +70,18 @@ def accepted(sources: list[list[tuple[int, ...]]], max_nodes: int, answer: list[
     return count
 
 
-def walk(prompt: list[int], answer: list[int], draft: "Drafts", max_nodes: int) -> tuple[int, int]:
-    """(answer tokens, target forwards) replaying `answer`; `draft(index)` gives the sources of a step."""
+def walk(prompt: list[int], answer: list[int], draft: "Drafts", max_nodes: int, drafted: list[int] | None = None
+         ) -> tuple[int, int]:
+    """(answer tokens, target forwards) replaying `answer`; `draft(index)` gives the sources of a step; `drafted`
+    receives each step's number of drafted nodes."""
     index = draft.lookup.new_index()  # the drafter's own n-gram sizes
     index.extend(prompt + answer[:1])  # the prefill's forward commits the first token
     done, forwards = 1, 1
     while done < len(answer):
-        step = min(accepted(draft(index), max_nodes, answer[done:]) + 1, len(answer) - done)
+        sources = draft(index)
+        if drafted is not None:
+            drafted.append(len(taken_nodes(sources, max_nodes)))
+        step = min(accepted(sources, max_nodes, answer[done:]) + 1, len(answer) - done)
         index.extend(answer[done : done + step])
         done, forwards = done + step, forwards + 1
     return len(answer), forwards
@@ -79,10 +92,11 @@ class Drafts:
     datastore's tree with a datastore); "store", the datastore's tree alone; "chains", prompt lookup's chain and the
     datastore's greedy chain (`Datastore.continuation`) taking turns."""
 
-    def __init__(self, num_draft: int, store: Datastore | None, mode: str = "lookup") -> None:
+    def __init__(self, num_draft: int, store: Datastore | None, mode: str = "lookup", min_expected: float = 0.0
+                 ) -> None:
         if mode not in ("lookup", "store", "chains") or (mode != "lookup" and store is None):
             raise ValueError(f"Drafts: mode {mode!r} with store {store!r}")
-        self.lookup = PromptLookupDrafter(num_draft=num_draft, datastore=store)
+        self.lookup = PromptLookupDrafter(num_draft=num_draft, datastore=store, min_expected=min_expected)
         self.store, self.mode = store, mode
 
     def served(self, answer: list[int]) -> None:
@@ -114,6 +128,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--datastore-request-weight", default=str(REQUEST_WEIGHT), metavar="W[,W...]",
                    help=f"comma list of weights of the request's own text in the datastore's counts (default "
                         f"{REQUEST_WEIGHT:g}): the datastore rows, once each")
+    p.add_argument("--min-expected", default="0", metavar="X[,X...]",
+                   help="comma list of prompt lookup's min_expected with a datastore: a row drafts only when the "
+                        "datastore expects that many of its nodes accepted (default 0: always)")
+    p.add_argument("--forward-ms", metavar="K:MS,...",
+                   help="a target forward's milliseconds by drafted nodes K (0 is a plain step), as "
+                        "scripts/step_cost.py prints them: adds each row's speed against plain decoding")
     p.add_argument("--questions", default="mt_bench:8:spread,gsm8k:4:spread,humaneval:4:spread",
                    help="bench prompt sets or a question file (first turns)")
     p.add_argument("--datastore-grow", type=int, metavar="N",
@@ -138,6 +158,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             check_request_weight(weight)
     except ValueError:
         p.error(f"--datastore-request-weight takes a comma list of numbers >= 0, got {args.datastore_request_weight!r}")
+    try:
+        args.thresholds = [float(x) for x in args.min_expected.split(",")]
+        if not all(math.isfinite(x) and x >= 0 for x in args.thresholds):
+            raise ValueError
+    except ValueError:
+        p.error(f"--min-expected takes a comma list of numbers >= 0, got {args.min_expected!r}")
+    try:
+        args.costs = None if args.forward_ms is None else StepCost.parse(args.forward_ms)
+    except ValueError as e:
+        p.error(f"--forward-ms: {e}")
     if args.max_new_tokens < 1 or min(args.budgets) < 1:
         p.error("--max-new-tokens and --num-draft take positive numbers")
     if (args.datastore_grow is not None and args.datastore_grow < 1) or args.orders < 1:
@@ -169,20 +199,29 @@ def main(argv: list[str] | None = None) -> int:
     for question in tqdm(questions, desc="greedy answers"):
         prompt = engine.encode(question.turns[0])
         cases.append((prompt, engine.generate_ids(prompt, max_new_tokens=args.max_new_tokens).sequences[0]))
-    rows = [("prompt lookup", None, "lookup")]
-    rows += [(f"datastore {path}", store, "store") for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path}", store, "lookup") for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path}, its greedy chain", store, "chains") for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path}, growing", store, "lookup") for path, store in grow.items()]
+    rows = [("prompt lookup", None, "lookup", 0.0)]
+    rows += [(f"datastore {path}", store, "store", 0.0) for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path}" + (f", drafting at ≥ {x:g} expected" if x else ""), store, "lookup", x)
+             for path, store in stores.items() for x in args.thresholds]
+    rows += [(f"prompt lookup + {path}, its greedy chain", store, "chains", 0.0) for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path}, growing", store, "lookup", 0.0) for path, store in grow.items()]
     shuffles = [random.Random(args.seed + i).sample(cases, len(cases)) for i in range(args.orders)]
     total = sum(len(answer) for _, answer in cases)
     print(f"{len(cases)} prompts (--questions {args.questions}), {total} answer tokens, greedy, {args.dtype}")
-    width = max(60, *(len(name) + 2 for name, _, _ in rows))
-    print(f"{'drafter':{width}}{'nodes':>7}{'walk τ':>9}   growing: mean [min, max] over {args.orders} shuffles")
+    width = max(60, *(len(row[0]) + 2 for row in rows))
+    speed = "" if args.costs is None else f"{'× plain':>9}"
+    print(f"{'drafter':{width}}{'nodes':>7}{'walk τ':>9}{'nodes a step':>14}{'drafted':>9}{speed}   growing: mean "
+          f"[min, max] over {args.orders} shuffles")
     for budget in args.budgets:
-        for name, store, mode in rows:
-            draft = Drafts(budget, store, mode)
-            line = f"{name:{width}}{'≤ ' + str(budget + 1):>7}{walk_all(cases, draft, budget):9.3f}"
+        for name, store, mode, threshold in rows:
+            draft = Drafts(budget, store, mode, threshold)
+            drafted: list[int] = []
+            tau = walk_all(cases, draft, budget, drafted)
+            line = (f"{name:{width}}{'≤ ' + str(budget + 1):>7}{tau:9.3f}{statistics.mean(drafted or [0]):14.2f}"
+                    f"{sum(map(bool, drafted)) / max(len(drafted), 1):9.0%}")
+            if args.costs is not None:
+                plain = (total - len(cases)) * args.costs.ms(0)  # the tokens after each prefill, one a forward
+                line += f"{plain / sum(map(args.costs.ms, drafted)):9.2f}"
             if store is not None and store.grows:
                 taus = [walk_all(order, draft, budget) for order in shuffles]
                 line += f"   {statistics.mean(taus):.3f} [{min(taus):.3f}, {max(taus):.3f}]"
@@ -198,14 +237,15 @@ def row_name(spec: str, setting: tuple[str, float], args: argparse.Namespace) ->
     return f"{spec} ({', '.join(named)})" if named else spec
 
 
-def walk_all(cases: list[tuple[list[int], list[int]]], draft: Drafts, budget: int) -> float:
+def walk_all(cases: list[tuple[list[int], list[int]]], draft: Drafts, budget: int, drafted: list[int] | None = None
+             ) -> float:
     """τ over `cases` in their order; a growing datastore starts from its loaded corpus and takes each answer once it
-    is replayed."""
+    is replayed. `drafted` receives each step's number of drafted nodes."""
     if draft.store is not None and draft.store.grows:
         draft.store.forget_served()
     tokens = forwards = 0
     for prompt, answer in cases:
-        t, f = walk(prompt, answer, draft, budget)
+        t, f = walk(prompt, answer, draft, budget, drafted)
         tokens, forwards = tokens + t, forwards + f
         draft.served(answer)
     return tokens / forwards
