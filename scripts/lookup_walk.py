@@ -9,7 +9,7 @@ target's greedy answers, no tree forward.
     python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --datastore-smoothing witten_bell,longest
     python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --datastore-request-weight 0,100
     python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --min-expected 0,0.5,1,1.25,1.5 \
-        --forward-ms "$(python scripts/step_cost.py --base smollm2 --quiet)"
+        --forward-ms "$(python scripts/step_cost.py --base smollm2 --dtype fp32 --quiet)"
 
 Generates each prompt's greedy answer with the target (plain decoding through the engine), then replays it as the
 engine verifies a draft that depends only on the committed tokens: each step drafts from the prompt and the answer
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{sum(map(bool, drafted)) / max(len(drafted), 1):9.0%}")
             if args.costs is not None:
                 plain = (total - len(cases)) * args.costs.ms(0)  # the tokens after each prefill, one a forward
-                line += f"{plain / sum(map(args.costs.ms, drafted)):9.2f}"
+                line += f"{plain / sum(map(args.costs.ms, drafted)):9.2f}" if drafted else f"{'-':>9}"
             if store is not None and store.grows:
                 taus = [walk_all(order, draft, budget) for order in shuffles]
                 line += f"   {statistics.mean(taus):.3f} [{min(taus):.3f}, {max(taus):.3f}]"

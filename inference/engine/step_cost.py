@@ -3,9 +3,9 @@
 Dimension letters: B batch, K tree nodes (root included).
 
 A step of the loop runs the target over the root and K - 1 drafted nodes. On a GPU that costs about what a plain step
-does until the nodes fill the hardware; on a CPU it does not. SmolLM2-135M in fp32 on 2 AMD EPYC cores took 96 ms
-over one token, 148 over two and 216 over nine (scripts/step_cost.py), so a drafted step there must accept 1.25
-tokens on average before it beats plain decoding. `StepCost` holds such a curve, `measure_step_cost` takes it on the
+does until the nodes fill the hardware; on a CPU it does not. SmolLM2-135M in fp32 on 2 AMD EPYC cores took 92 ms
+over one token, 135 over two and 226 over nine (scripts/step_cost.py), so a step of 8 drafted nodes there must accept
+1.45 of them on average before it beats plain decoding. `StepCost` holds such a curve, `measure_step_cost` takes it on the
 loaded target, and `StepCost.break_even(k)` is the expected number of accepted drafts at which a step with k nodes
 pays: prompt lookup's `min_expected` (inference.drafters.prompt_lookup).
 """
