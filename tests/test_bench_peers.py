@@ -18,6 +18,7 @@ from inference.engine.tree import build_tree
 from models.checkpoint import CheckpointError, save_drafter
 from models.interop import export_medusa, import_medusa
 from models.medusa import MedusaConfig, MedusaHeads
+from tests.script_support import exit_code, load_script
 from tests.test_interop import (D, OriginalResBlock, base_dir, base_lm_head,  # noqa: F401  (fixtures)
                                 per_head_logits)
 
@@ -158,16 +159,27 @@ def test_from_record_prints_the_table(tmp_path):
     (["--peers", "hf_pld", "--prompts", "nosuchset:3"], "--prompts"),
     (["--peers", "hf_assisted", "--draft-stop", "sometimes"], "--draft-stop"),
 ])
-def test_bad_arguments_fail_in_one_line(tmp_path, args, message):
+def test_bad_arguments_fail_in_one_line(tmp_path, capsys, args, message):
+    """In the test process (`main(argv)`); the next test takes one case through the command line."""
     ckpt, vocab = tmp_path / "ckpt", tmp_path / "vocab"
     save_drafter(ckpt, random_heads(2, 1, 64, True), "builtin:tiny")
     heads = MedusaHeads(MedusaConfig(num_heads=1, num_layers=1, hidden_size=D, vocab_size=64, draft_vocab_size=8))
     save_drafter(vocab, heads, "builtin:tiny")
     args = [a.format(ckpt=ckpt, vocab=vocab) for a in args]
-    done = run_script(*args, "--out", str(tmp_path / "out"), tmp_path=tmp_path)
+    code = exit_code(load_script("bench_peers"), ["--venv-dir", str(tmp_path / "venvs"), *args, "--out",
+                                                   str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "venvs").exists()
+
+
+def test_a_bad_argument_fails_in_one_line_from_the_command_line(tmp_path):
+    done = run_script("--peers", "hf_pld,vllm", "--out", str(tmp_path / "out"), tmp_path=tmp_path)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert len(lines) == 1 and "--peers" in lines[0], done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "venvs").exists()
 
 
@@ -175,7 +187,6 @@ def test_build_ours_serves_every_method_on_one_target_losslessly(tmp_path):
     """The script's own side (no peer venv): every runner of ours and of Hugging Face on one tiny target, the heads
     and draft checked and served the way a real run serves them, each greedy answer equal to our plain loop's."""
     from tests.model_support import save_tiny_model
-    from tests.test_early_exit import load_script
 
     script = load_script("bench_peers")
     target = save_tiny_model(tmp_path / "target", seed=0, initializer_range=0.2)
@@ -207,7 +218,6 @@ def test_learned_draft_stop_follows_the_draft_checkpoint(tmp_path, capsys):
     from models.checkpoint import save_draft_model
     from models.stopper import StopperModel, stopper_entry
     from tests.test_checkpoint_writer import tiny_lm
-    from tests.test_early_exit import load_script
 
     script = load_script("bench_peers")
     stopper = StopperModel(4)

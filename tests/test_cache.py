@@ -9,7 +9,7 @@ from inference.engine.cache import (FIRST_SLOTS, additive, commit_slots, keep_no
                                     tree_inputs)
 from inference.engine.tree import build_tree
 from tests.model_support import save_tiny_model
-from tests.test_early_exit import load_script
+from tests.script_support import load_script
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]

@@ -18,6 +18,7 @@ from inference.engine.loop import DecodeConfig, generate
 from inference.kernels import cpu_linear
 from inference.kernels.cpu_linear import KernelLinear, fast_linears, max_rows
 from tests.conftest import build_tiny_lm
+from tests.script_support import exit_code, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_kernel = pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="the kernel needs x86 AVX2 + FMA")
@@ -349,10 +350,17 @@ def test_engine_passes_its_kernel_setting(monkeypatch):
     (["--threads", "0"], "--threads must be >= 1"),
     ([], "no complete snapshot of no/such-model"),  # models.refs' hub policy, offline in the tests
 ])
-def test_kernel_benchmark_refuses_bad_flags_before_loading(flags, needle):
-    """scripts/bench_cpu_kernel.py: one line, exit 2 (the base named does not exist: flags are refused before it
-    is looked at, and then it is refused itself in one line, not a traceback)."""
+def test_kernel_benchmark_refuses_bad_flags_before_loading(capsys, flags, needle):
+    """scripts/bench_cpu_kernel.py, in the test process: one line, exit 2 (the base named does not exist: flags are
+    refused before it is looked at, and then it is refused itself in one line, not a traceback)."""
+    code = exit_code(load_script("bench_cpu_kernel"), ["--base", "no/such-model", *flags])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()] and needle in err
+
+
+def test_kernel_benchmark_refuses_a_bad_flag_from_the_command_line():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cpu_kernel.py"), "--base",
-                             "no/such-model", *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                             "no/such-model", "--sizes", "4,2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and needle in result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "--sizes: increasing" in result.stderr

@@ -37,6 +37,7 @@ from models.checkpoint import save_drafter
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import tiny_tokenizer
 from tests.model_support import save_tiny_model
+from tests.script_support import load_script
 from tests.test_draft_model import left_pad
 from tests.test_generate import random_heads
 from tests.test_lookahead import repetitive_prompts
@@ -719,7 +720,6 @@ def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_w
     """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
     prefill included) for prompt lookup with a datastore, without a tree forward, the request's own text counted in
     the datastore's or not, drafting every step or only where it expects enough accepted; and the nodes it drafts."""
-    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
 
     script = load_script("lookup_walk")
     prompts, others = repetitive_prompts(21, 4), repetitive_prompts(22, 6)
@@ -746,7 +746,6 @@ def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tin
     """scripts/lookup_walk.py's growing rows: the walk over prompts in order, each answer joining the datastore once
     replayed, gives the τ of the engine serving them one after another with datastore_grow; from nothing it beats
     prompt lookup alone when prompts repeat their kind."""
-    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
 
     script = load_script("lookup_walk")
     prompts = repetitive_prompts(23, 4) + repetitive_prompts(23, 4)[:2]  # two are asked again
@@ -765,7 +764,6 @@ def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tin
 
 
 def test_the_lookup_walk_refuses_a_bad_datastore_or_smoothing_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
 
     script = load_script("lookup_walk")
     monkeypatch.setattr(script, "load", lambda *a, **k: pytest.fail("the model loaded"))

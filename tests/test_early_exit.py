@@ -25,6 +25,7 @@ from models.early_exit import build_early_exit_draft, ensure_early_exit
 from models.loading import ModelLoadError
 from models.refs import BuiltinRef, ConfRef, EarlyExitRef, LocalRef, locate, model_settings, parse_model
 from tests.model_support import save_tiny_model
+from tests.script_support import load_script
 from tests.test_distill import ROOT, WORDS
 from tests.test_draft_model import left_pad, plain_greedy
 
@@ -245,16 +246,6 @@ def test_distill_an_early_exit_draft_with_the_chat_models_recipe(sources, alpaca
     engine = load(out, dtype="fp32")
     prompt = [5, 6, 7, 8]
     assert engine.generate(prompt, 10, ignore_eos=True).sequences[0] == plain_greedy(load_lm(target), prompt, 10)
-
-
-def load_script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4])

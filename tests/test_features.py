@@ -22,7 +22,7 @@ from models.backbone import final_hidden
 from models.loading import load_target
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.model_support import save_tiny_model
-from tests.test_early_exit import load_script
+from tests.script_support import load_script
 from train.distributed import free_port
 from train.features import check_disk, plan_shards
 from train.medusa1 import CachedSoftLabels, medusa_loss

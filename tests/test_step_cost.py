@@ -9,6 +9,7 @@ import torch
 
 from inference.engine.step_cost import StepCost, measure_step_cost
 from tests.model_support import save_tiny_model
+from tests.script_support import load_script
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -40,7 +41,6 @@ def test_the_measurement_times_each_size_and_leaves_the_target_as_it_was(tiny_lm
 
 
 def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
-    from tests.test_early_exit import load_script  # deferred: loads a script file as a module
 
     script = load_script("step_cost")
     target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
