@@ -11,11 +11,17 @@ median of each is printed with its ratio to a plain step (k = 0) and the break-e
 k nodes must accept on average to beat plain decoding, t(k) / t(0) - 1. That is the value of prompt lookup's
 `min_expected` option for num_draft = k on this host (inference.drafters.prompt_lookup). The last line is the curve as
 K:MS items, the form scripts/lookup_walk.py's --forward-ms reads; --quiet prints only that line.
+
+--against-stock also times the loop with its CPU kernels off (stock `F.linear`, the engine's --no-cpu-kernel): the
+two curves alternate, --rounds times each, and each size's figure is the median of its rounds' medians, with the
+ratio of the two beside it.
 """
+
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +31,7 @@ import torch  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
 from inference.bench.bandwidth import cpu_name  # noqa: E402
-from inference.engine.step_cost import NODES, measure_step_cost  # noqa: E402
+from inference.engine.step_cost import NODES, StepCost, measure_step_cost  # noqa: E402
 from inference.session import add_model_args, open_session  # noqa: E402
 
 
@@ -48,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per size, after one warm-up (default 5)")
     p.add_argument("--context", type=int, default=256, help="prompt tokens cached before the forwards (default 256)")
     p.add_argument("--quiet", action="store_true", help="print only the K:MS line")
+    p.add_argument("--against-stock", action="store_true",
+                   help="also time the forwards with the engine's CPU kernels off, alternating with them on")
+    p.add_argument("--rounds", type=int, default=3, help="with --against-stock: curves of each kind (default 3)")
     return p
 
 
@@ -55,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         nodes = parse_nodes(args.nodes)
-        if args.repeats < 1 or args.context < 1:
-            raise UsageError("--repeats and --context must be >= 1")
+        if args.repeats < 1 or args.context < 1 or args.rounds < 1:
+            raise UsageError("--repeats, --context and --rounds must be >= 1")
         if args.drafter:
             raise UsageError("--drafter: this script times the target alone (pass --base)")
         session = open_session(args)  # every model option checked before a model loads; a bad base: one line
@@ -72,12 +81,27 @@ def main(argv: list[str] | None = None) -> int:
     def progress(k: int, ms: float) -> None:
         print(f"{k} drafted nodes: {ms:.1f} ms", file=sys.stderr, flush=True)
 
-    cost = measure_step_cost(model, nodes, repeats=args.repeats, context=args.context, progress=progress)
-    say("\n| drafted nodes | ms a forward | × a plain step | break-even accepted drafts (min_expected) |")
-    say("| ---: | ---: | ---: | ---: |")
+    def curve(cpu_kernel: bool) -> StepCost:
+        return measure_step_cost(model, nodes, repeats=args.repeats, context=args.context, progress=progress,
+                                 cpu_kernel=cpu_kernel)
+
+    if not args.against_stock:
+        cost, stock = curve(True), None
+    else:
+        rounds = {True: [], False: []}
+        for i in range(args.rounds):
+            for kernels in (True, False):
+                print(f"round {i + 1}/{args.rounds}, CPU kernels {'on' if kernels else 'off'}", file=sys.stderr)
+                rounds[kernels].append(curve(kernels))
+        cost, stock = (StepCost(tuple((k, statistics.median(c.ms(k) for c in rounds[kernels])) for k in nodes))
+                       for kernels in (True, False))
+    extra = "" if stock is None else " stock ms | × stock |"
+    say(f"\n| drafted nodes | ms a forward | × a plain step | break-even accepted drafts (min_expected) |{extra}")
+    say("| ---: | ---: | ---: | ---: |" + ("" if stock is None else " ---: | ---: |"))
     for k, ms in cost.points:
-        say(f"| {k} | {ms:.1f} | {ms / cost.ms(0):.2f} | {cost.break_even(k):.2f} |" if k else
-            f"| 0 (plain) | {ms:.1f} | 1.00 | |")
+        row = (f"| {k} | {ms:.1f} | {ms / cost.ms(0):.2f} | {cost.break_even(k):.2f} |" if k else
+               f"| 0 (plain) | {ms:.1f} | 1.00 | |")
+        say(row + ("" if stock is None else f" {stock.ms(k):.1f} | {ms / stock.ms(k):.2f} |"))
     say()
     print(cost, flush=True)
     return 0

@@ -190,9 +190,10 @@ def test_fast_linears_stops_routing_on_error(monkeypatch):
 
 
 def test_fast_linears_leaves_ineligible_layers_alone(monkeypatch):
-    """fp32 weights, a forward someone else set (accelerate's hooks), or enabled=False: nothing routed, nothing
-    built."""
+    """fp32 weights where the fp32 route does not run, a forward someone else set (accelerate's hooks), or
+    enabled=False: nothing routed, nothing built."""
     monkeypatch.setattr(cpu_linear, "load_kernel", lambda: pytest.fail("no layer is eligible: nothing to build"))
+    monkeypatch.setattr(cpu_linear, "fp32_route_supported", lambda: False)
     hooked = nn.Linear(8, 8).bfloat16()
     hooked.forward = lambda x: x
     mixed = nn.Linear(8, 8).bfloat16()
@@ -202,6 +203,48 @@ def test_fast_linears_leaves_ineligible_layers_alone(monkeypatch):
     with fast_linears(nn.Linear(8, 8).bfloat16(), enabled=False) as routed:
         assert routed == 0
     assert hooked.forward(torch.ones(1)).item() == 1.0  # its own forward kept
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_layers_take_the_few_row_route_without_the_kernel(monkeypatch, bias):
+    """fp32 layers (where the route runs; forced here on any CPU) need no kernel: 2..FP32_ROWS no-grad rows run as
+    weight @ x^T, the same products to fp32 rounding; one row, more rows, grad mode and outside the block run stock,
+    bit for bit."""
+    monkeypatch.setattr(cpu_linear, "fp32_route_supported", lambda: True)
+    monkeypatch.setattr(cpu_linear, "load_kernel", lambda: pytest.fail("fp32 layers need no kernel"))
+    torch.manual_seed(0)
+    layer = nn.Linear(37, 19, bias=bias)
+    inputs = {rows: torch.randn(1, rows, 37) for rows in (1, 2, cpu_linear.FP32_ROWS, cpu_linear.FP32_ROWS + 1)}
+    with torch.no_grad():
+        stock = {rows: F.linear(x, layer.weight, layer.bias) for rows, x in inputs.items()}
+    with fast_linears(layer) as routed:
+        assert routed == 1 and type(layer) is KernelLinear and layer.kernel_rows == cpu_linear.FP32_ROWS
+        with torch.no_grad():
+            fast = {rows: layer(x) for rows, x in inputs.items()}
+        with_grad = layer(inputs[2])
+    for rows, y in fast.items():
+        assert y.shape == stock[rows].shape and y.dtype == torch.float32
+        if 2 <= rows <= cpu_linear.FP32_ROWS:
+            torch.testing.assert_close(y, stock[rows], rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(y, stock[rows]), rows
+    assert torch.equal(with_grad.detach(), stock[2]) and with_grad.requires_grad
+    with torch.no_grad():
+        assert torch.equal(layer(inputs[2]), stock[2])  # outside the block: stock
+
+
+def test_fp32_route_keeps_greedy_tree_decoding_equal_to_plain(monkeypatch):
+    """Through the engine's loop with the fp32 route on (forced on any CPU): a tree drafter's greedy output equals
+    plain greedy decoding with the CPU kernels off."""
+    from inference.drafters.prompt_lookup import PromptLookupDrafter  # deferred: one test drafts
+
+    monkeypatch.setattr(cpu_linear, "fp32_route_supported", lambda: True)
+    model = build_tiny_lm("llama", seed=5)
+    ids = torch.tensor([[5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9]])
+    plain = generate(model, ids, NoDrafter(), DecodeConfig(max_new_tokens=24, cpu_kernel=False))
+    drafted = generate(model, ids, PromptLookupDrafter(num_draft=6), DecodeConfig(max_new_tokens=24))
+    assert drafted.sequences == plain.sequences
+    assert sum(type(m) is KernelLinear for m in model.modules()) == 15  # 2 layers x 7 + lm_head, routed
 
 
 def test_unsupported_cpu_or_failed_build_falls_back_to_stock(monkeypatch, tmp_path):

@@ -53,10 +53,17 @@ def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path,
     assert script.main([*base, "--nodes", "0,4", "--repeats", "1", "--context", "8"]) == 0
     table = capsys.readouterr().out
     assert "| 0 (plain) |" in table and "| 4 |" in table and "break-even" in table
+    assert script.main([*base, "--nodes", "0,3", "--repeats", "1", "--context", "8", "--against-stock",
+                        "--rounds", "2"]) == 0
+    out = capsys.readouterr()
+    rows = [line for line in out.out.splitlines() if line.startswith("| 3 |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 8  # the stock ms and the ratio beside the curve's own
+    assert out.err.count("CPU kernels off") == 2 and out.err.count("drafted nodes:") == 2 * 2 * 2
     monkeypatch.setattr(script, "open_session", lambda *a, **k: pytest.fail("the model loaded"))
     for argv, needle in (([*base, "--nodes", "1,2"], "--nodes takes whole numbers ascending from 0"),
                          ([*base, "--nodes", "0,x"], "--nodes takes whole numbers ascending from 0"),
-                         ([*base, "--repeats", "0"], "--repeats and --context must be >= 1"),
+                         ([*base, "--repeats", "0"], "--repeats, --context and --rounds must be >= 1"),
+                         ([*base, "--against-stock", "--rounds", "0"], "--repeats, --context and --rounds must be >= 1"),
                          ([*base, "--drafter", "prompt_lookup"], "--drafter: this script times the target alone")):
         assert script.main(argv) == 2
         err = capsys.readouterr().err

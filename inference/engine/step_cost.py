@@ -78,14 +78,16 @@ class StepCost:
 
 @torch.inference_mode()
 def measure_step_cost(model: torch.nn.Module, nodes: tuple[int, ...] = NODES, repeats: int = 5, context: int = 256,
-                      seed: int = 0, progress: Callable[[int, float], None] | None = None) -> StepCost:
+                      seed: int = 0, progress: Callable[[int, float], None] | None = None, cpu_kernel: bool = True
+                      ) -> StepCost:
     """The median over `repeats` (after one warm-up) of the target's forward over a chain of k drafted nodes after a
     `context`-token prompt of random ids, for each k of `nodes` (ascending from 0), run as the loop runs it
-    (`forward_tree`, with its CPU kernels); the cache is cropped back after each. `progress(k, ms)` after each k."""
+    (`forward_tree`, with its CPU kernels unless `cpu_kernel` is False, as DecodeConfig.cpu_kernel); the cache is
+    cropped back after each. `progress(k, ms)` after each k."""
     device = model.get_input_embeddings().weight.device
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)  # [1, T]
-    config = DecodeConfig(max_new_tokens=max(nodes) + 1)
+    config = DecodeConfig(max_new_tokens=max(nodes) + 1, cpu_kernel=cpu_kernel)
     points = []
     with fast_linears(model, enabled=config.cpu_kernel), gqa_attention(model, enabled=config.gqa_attention):
         state = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), config, False, None)

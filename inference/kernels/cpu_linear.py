@@ -11,8 +11,16 @@ Only the summation order differs from stock, so outputs agree with stock ones to
 of difference a K-row forward already has from a one-row forward. More rows (longer prefills, wider trees) stay on
 stock PyTorch, whose oneDNN GEMM wins there.
 
-`fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, CPU, contiguous weight, no forward of their own
-set by a hook library) through the kernel while its block runs, and only under no-grad/inference mode: training,
+fp32 needs no kernel of ours. On AVX2 CPUs (no AVX-512) stock `F.linear` at 2 to a few rows costs up to twice its one-row
+call (its GEMM path for few rows; host E, a Zen 3 EPYC, SmolLM2-135M in fp32: an 8-node verification forward took 236
+ms against 101 for one token), while the same product computed as `weight @ x^T` takes the few-row path of the BLAS
+(188 ms). `fast_linears` routes fp32 layers of 2..`FP32_ROWS` rows there on such CPUs (`fp32_route_supported`): the
+same products, another summation order, as between a one-row and a K-row forward already. Unmeasured on AVX-512
+CPUs, where fp32 stays stock.
+
+`fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, or fp32 where the fp32 route runs; CPU, contiguous
+weight, no forward of their own set by a hook library) through the kernel (bf16) or `weight @ x^T` (fp32) while its
+block runs, and only under no-grad/inference mode: training,
 Hugging Face `generate` and every baseline outside the block stay stock. A layer is installed once (`install`: its
 class becomes `KernelLinear`, a plain nn.Linear subclass); a block only switches the routing on, for its own thread.
 The kernel is built once per machine and torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler;
@@ -46,6 +54,7 @@ FMA_ROWS = 4  # rows the AVX-512/AVX2 FMA paths take where no wider path runs (m
 # were routed: 1-4 rows won, 16 lost; unmeasured since on CPUs with neither)
 AMX_ROWS = 32  # input rows up to which the AMX path runs (two B tiles), for inputs whose width is a multiple of 32
 DP_ROWS = 32  # input rows up to which the AVX-512-BF16 path runs where there is no AMX
+FP32_ROWS = 9  # input rows up to which fp32 layers take `weight @ x^T` (host E: 2-9 rows won, 17 lost)
 SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file inside a build directory (a FileBaton)
 CFLAGS = ("-O3", "-fopenmp")
@@ -66,6 +75,24 @@ def cpu_supported() -> bool:
 def avx512_supported() -> bool:
     """Whether the AVX-512 path runs here (F/BW/VL); else the AVX2 path does."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
+def fp32_route_supported() -> bool:
+    """Whether fp32 layers take the few-row `weight @ x^T` route here: x86 with AVX2 and no AVX-512, where it was
+    measured to win (module docstring)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def few_rows_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, limit: int) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]^T (+ bias) as (weight @ x^T)^T for 2..`limit` rows of an fp32 CPU input under no
+    grad; None where that does not apply (the caller runs stock `F.linear`)."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if not 2 <= rows <= limit or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, N] as a view of [N, rows]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def amx_supported() -> bool:
@@ -199,12 +226,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def eligible(module: nn.Module) -> bool:
-    """A plain bf16 CPU nn.Linear (bias bf16 or none) whose forward nobody else replaced (accelerate's offload hooks
-    do)."""
+    """A plain bf16 CPU nn.Linear (bias bf16 or none), or an fp32 one where `fp32_route_supported`, whose forward
+    nobody else replaced (accelerate's offload hooks do)."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    return (isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+    if not isinstance(module, nn.Linear) or not isinstance(weight, torch.Tensor):
+        return False
+    dtype = weight.dtype
+    return ((dtype == torch.bfloat16 or (dtype == torch.float32 and fp32_route_supported()))
             and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.device.type == "cpu"))
+            and (bias is None or (bias.dtype == dtype and bias.device.type == "cpu"))
             and "forward" not in vars(module))
 
 
@@ -213,11 +243,15 @@ class KernelLinear(nn.Linear):
     (stock `F.linear` otherwise: training, Hugging Face `generate`, every baseline). `install` turns an eligible layer
     into one by changing its class, once: the same parameters, state_dict, deepcopy and pickling as before."""
 
-    kernel_rows: int  # rows up to which this layer's width runs on the kernel (max_rows)
+    kernel_rows: int  # rows up to which this layer's width runs on the kernel (max_rows), or fp32's route (FP32_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = _routing.get()
-        if routing is not None:
+        if routing is not None and self.weight.dtype == torch.float32:
+            y = few_rows_fp32(x, self.weight, self.bias, min(routing[1], self.kernel_rows))
+            if y is not None:
+                return y
+        elif routing is not None and routing[0] is not None:
             kernel, limit = routing
             # the kernel checks that it applies (no grad mode, bf16 CPU input of 1..rows rows, weight as eligible()
             # found it) in one C++ call and answers None where it does not
@@ -234,19 +268,20 @@ ALL_ROWS = max(FMA_ROWS, AMX_ROWS, DP_ROWS)  # no limit beyond each layer's own 
 
 def install(*modules: nn.Module | None) -> list[KernelLinear]:
     """Turn the eligible linears of `modules` (None entries skipped) into KernelLinear, once (layers installed before
-    are kept); -> every KernelLinear among them. Nothing is installed where the kernel is unavailable (it is only
-    built when some layer is eligible)."""
+    are kept); -> every KernelLinear among them. bf16 layers are installed only where the kernel is available (it is
+    only built when some bf16 layer is eligible); fp32 layers need no kernel."""
     found: dict[int, nn.Module] = {}
     for root in modules:
         for module in root.modules() if root is not None else ():
             if isinstance(module, KernelLinear) or (type(module) is nn.Linear and eligible(module)):
                 found.setdefault(id(module), module)
-    if not found or load_kernel() is None:
-        return []
+    if any(layer.weight.dtype == torch.bfloat16 for layer in found.values()) and load_kernel() is None:
+        found = {key: layer for key, layer in found.items() if layer.weight.dtype != torch.bfloat16}
     for layer in found.values():
         if not isinstance(layer, KernelLinear):
+            fp32 = layer.weight.dtype == torch.float32
             layer.__class__ = KernelLinear
-            layer.kernel_rows = max_rows(layer.in_features)
+            layer.kernel_rows = FP32_ROWS if fp32 else max_rows(layer.in_features)
     return list(found.values())
 
 
@@ -257,7 +292,8 @@ def fast_linears(*modules: nn.Module | None, enabled: bool = True, row_limit: in
     is the routing of CPUs without AMX or AVX-512-BF16). Yields how many layers are routed (0 where nothing is
     eligible, the kernel is unavailable or enabled=False). Outside the block, also on error, every layer runs stock."""
     layers = install(*modules) if enabled else []
-    routing = (load_kernel(), ALL_ROWS if row_limit is None else row_limit) if layers else None
+    kernel = load_kernel() if any(layer.weight.dtype == torch.bfloat16 for layer in layers) else None  # fp32: none
+    routing = (kernel, ALL_ROWS if row_limit is None else row_limit) if layers else None
     token = _routing.set(routing)
     try:
         yield len(layers)
