@@ -77,7 +77,9 @@ def engine_kernel_line(flags: list[str]) -> str:
         rows += f", AMX for 2-{cpu_linear.AMX_ROWS}"
     elif cpu_linear.avx512_supported() and "avx512_bf16" in flags:
         rows += f", AVX-512-BF16 for 2-{cpu_linear.DP_ROWS}"
-    return f"draftsmith bf16 CPU kernel: {rows} (built on first use; --no-cpu-kernel for stock)"
+    fp32 = (f"; fp32 layers of 2-{cpu_linear.FP32_ROWS} rows as weight @ x^T" if cpu_linear.fp32_route_supported()
+            else "")
+    return f"draftsmith bf16 CPU kernel: {rows} (built on first use; --no-cpu-kernel for stock){fp32}"
 
 
 def report() -> list[str]:

@@ -17,7 +17,6 @@ two curves alternate, --rounds times each, and each size's figure is the median 
 ratio of the two beside it.
 """
 
-
 from __future__ import annotations
 
 import argparse

@@ -223,7 +223,7 @@ def test_fp32_layers_take_the_few_row_route_without_the_kernel(monkeypatch, bias
             fast = {rows: layer(x) for rows, x in inputs.items()}
         with_grad = layer(inputs[2])
     for rows, y in fast.items():
-        assert y.shape == stock[rows].shape and y.dtype == torch.float32
+        assert y.shape == stock[rows].shape and y.dtype == torch.float32 and y.is_contiguous()
         if 2 <= rows <= cpu_linear.FP32_ROWS:
             torch.testing.assert_close(y, stock[rows], rtol=1e-5, atol=1e-5)
         else:

@@ -63,7 +63,8 @@ def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path,
     for argv, needle in (([*base, "--nodes", "1,2"], "--nodes takes whole numbers ascending from 0"),
                          ([*base, "--nodes", "0,x"], "--nodes takes whole numbers ascending from 0"),
                          ([*base, "--repeats", "0"], "--repeats, --context and --rounds must be >= 1"),
-                         ([*base, "--against-stock", "--rounds", "0"], "--repeats, --context and --rounds must be >= 1"),
+                         ([*base, "--against-stock", "--rounds", "0"],
+                          "--repeats, --context and --rounds must be >= 1"),
                          ([*base, "--drafter", "prompt_lookup"], "--drafter: this script times the target alone")):
         assert script.main(argv) == 2
         err = capsys.readouterr().err

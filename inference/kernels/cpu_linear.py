@@ -11,21 +11,20 @@ Only the summation order differs from stock, so outputs agree with stock ones to
 of difference a K-row forward already has from a one-row forward. More rows (longer prefills, wider trees) stay on
 stock PyTorch, whose oneDNN GEMM wins there.
 
-fp32 needs no kernel of ours. On AVX2 CPUs (no AVX-512) stock `F.linear` at 2 to a few rows costs up to twice its one-row
-call (its GEMM path for few rows; host E, a Zen 3 EPYC, SmolLM2-135M in fp32: an 8-node verification forward took 236
-ms against 101 for one token), while the same product computed as `weight @ x^T` takes the few-row path of the BLAS
-(188 ms). `fast_linears` routes fp32 layers of 2..`FP32_ROWS` rows there on such CPUs (`fp32_route_supported`): the
-same products, another summation order, as between a one-row and a K-row forward already. Unmeasured on AVX-512
-CPUs, where fp32 stays stock.
+fp32 needs no kernel of ours. On AVX2 CPUs (no AVX-512) stock `F.linear` at 2 to a few rows costs up to twice its
+one-row call (it leaves the BLAS's matrix-vector path; host E, a Zen 3 EPYC, SmolLM2-135M in fp32: an 8-node
+verification forward took 213 ms against 93 for one token), while the same product computed as `weight @ x^T` takes
+the few-row path (173 ms; `scripts/step_cost.py --against-stock`). `fast_linears` routes fp32 layers of 2..`FP32_ROWS`
+rows that way on such CPUs (`fp32_route_supported`): the same products, another summation order, as between a one-row
+and a K-row forward already. Unmeasured on AVX-512 CPUs, where fp32 stays stock.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, or fp32 where the fp32 route runs; CPU, contiguous
 weight, no forward of their own set by a hook library) through the kernel (bf16) or `weight @ x^T` (fp32) while its
-block runs, and only under no-grad/inference mode: training,
-Hugging Face `generate` and every baseline outside the block stay stock. A layer is installed once (`install`: its
-class becomes `KernelLinear`, a plain nn.Linear subclass); a block only switches the routing on, for its own thread.
-The kernel is built once per machine and torch version with `torch.utils.cpp_extension` (ninja, a C++ compiler;
-~1 min) into the draftsmith cache, and only on x86 CPUs with AVX2 + FMA or AVX-512; anywhere else, or if the build
-fails (one warning), stock PyTorch runs.
+block runs, and only under no-grad/inference mode: training, Hugging Face `generate` and every baseline outside the
+block stay stock. A layer is installed once (`install`: its class becomes `KernelLinear`, a plain nn.Linear
+subclass); a block only switches the routing on, for its own thread. The kernel is built once per machine and torch
+version with `torch.utils.cpp_extension` (ninja, a C++ compiler; ~1 min) into the draftsmith cache, and only on x86
+CPUs with AVX2 + FMA or AVX-512; anywhere else, or if the build fails (one warning), stock PyTorch runs.
 A failed build is remembered in the cache (`failure_marker`: one file per source, torch version, compiler and flags), so
 later processes skip the attempt with a one-line notice; another compiler, other flags or a changed source build
 anew, and deleting the marker retries.
@@ -89,7 +88,9 @@ def few_rows_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if not 2 <= rows <= limit or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()  # [rows, N] as a view of [N, rows]
+    # [N, rows] -> [rows, N], copied contiguous: a transposed view would slow what reads it (the verify step's
+    # argmax over the LM head's logits took 3.5 ms a step instead of 0.8)
+    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
