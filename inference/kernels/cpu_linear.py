@@ -13,8 +13,8 @@ stock PyTorch, whose oneDNN GEMM wins there.
 
 fp32 needs no kernel of ours. On AVX2 CPUs (no AVX-512) stock `F.linear` at 2 to a few rows costs up to twice its
 one-row call (it leaves the BLAS's matrix-vector path; host E, a Zen 3 EPYC, SmolLM2-135M in fp32: an 8-node
-verification forward took 213 ms against 93 for one token), while the same product computed as `weight @ x^T` takes
-the few-row path (173 ms; `scripts/step_cost.py --against-stock`). `fast_linears` routes fp32 layers of 2..`FP32_ROWS`
+verification forward took 227 ms against 99 for one token), while the same product computed as `weight @ x^T` takes
+the few-row path (146 ms; `scripts/step_cost.py --against-stock`). `fast_linears` routes fp32 layers of 2..`FP32_ROWS`
 rows that way on such CPUs (`fp32_route_supported`): the same products, another summation order, as between a one-row
 and a K-row forward already. Unmeasured on AVX-512 CPUs, where fp32 stays stock.
 
