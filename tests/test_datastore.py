@@ -720,7 +720,6 @@ def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_w
     """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
     prefill included) for prompt lookup with a datastore, without a tree forward, the request's own text counted in
     the datastore's or not, drafting every step or only where it expects enough accepted; and the nodes it drafts."""
-
     script = load_script("lookup_walk")
     prompts, others = repetitive_prompts(21, 4), repetitive_prompts(22, 6)
     config = DecodeConfig(max_new_tokens=24)
@@ -746,7 +745,6 @@ def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tin
     """scripts/lookup_walk.py's growing rows: the walk over prompts in order, each answer joining the datastore once
     replayed, gives the τ of the engine serving them one after another with datastore_grow; from nothing it beats
     prompt lookup alone when prompts repeat their kind."""
-
     script = load_script("lookup_walk")
     prompts = repetitive_prompts(23, 4) + repetitive_prompts(23, 4)[:2]  # two are asked again
     config = DecodeConfig(max_new_tokens=24)
@@ -764,7 +762,6 @@ def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tin
 
 
 def test_the_lookup_walk_refuses_a_bad_datastore_or_smoothing_before_the_model_loads(tmp_path, monkeypatch, capsys):
-
     script = load_script("lookup_walk")
     monkeypatch.setattr(script, "load", lambda *a, **k: pytest.fail("the model loaded"))
     good, missing = sharegpt_file(tmp_path, [chat("hi", "hello")]), str(tmp_path / "nope")

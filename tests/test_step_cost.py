@@ -41,7 +41,6 @@ def test_the_measurement_times_each_size_and_leaves_the_target_as_it_was(tiny_lm
 
 
 def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
-
     script = load_script("step_cost")
     target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
     base = ["--base", str(target), "--dtype", "fp32", "--threads", "1"]
