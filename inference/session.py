@@ -105,9 +105,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--no-cpu-kernel", action="store_true",
-                   help="run bf16 CPU linears on stock PyTorch only (default: decode steps of up to 4 rows, or "
-                        "32 with AMX, use the engine's own kernel on x86 CPUs with AVX2 or AVX-512; "
-                        "inference.kernels.cpu_linear)")
+                   help="run CPU linears on stock PyTorch only (default: bf16 decode steps of up to 4 rows, or "
+                        "32 with AMX or AVX-512-BF16, use the engine's own kernel on x86 CPUs with AVX2 or AVX-512, "
+                        "and fp32 ones of up to 32 rows on AVX2 CPUs; inference.kernels.cpu_linear)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:

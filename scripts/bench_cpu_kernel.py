@@ -1,7 +1,8 @@
-"""The engine's bf16 CPU kernel against stock PyTorch linears, on one target's forward, in one run.
+"""The engine's CPU kernel against stock PyTorch linears, on one target's forward, in one run.
 
     python scripts/bench_cpu_kernel.py --base smollm2                  # K = 1, 2, 4, 8, 16, 24, 32 tree nodes
     python scripts/bench_cpu_kernel.py --base smollm2 --sizes 1,16 --rounds 5
+    python scripts/bench_cpu_kernel.py --base smollm2 --dtype fp32     # fp32, on AVX2 CPUs without AVX-512
 
 Times `build-tree`'s cost curve (inference.bench.tree_fit.measure_forward_cost: a K-node tree forward on a cache of
 --context tokens, plus greedy verification) three ways: stock PyTorch, with the kernel (inference.kernels.cpu_linear),
@@ -9,7 +10,8 @@ and with the kernel plus the masked-GQA attention path (inference.kernels.attent
 the kernel takes more than 4 rows (AMX, AVX-512-BF16) also with it limited to 4 rows (the kernel for 1-4 rows, stock
 above); alternating them round by round so that a busy machine slows all alike, and prints per K the median of each
 and their ratios, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy
-bandwidth); then torch's argmax against the engine's `greedy_argmax` on K rows of logits. Outputs agree with stock to bf16 rounding
+bandwidth); then torch's argmax against the engine's `greedy_argmax` on K rows of logits. The target runs in bf16, or
+in fp32 where the kernel takes fp32 (`--dtype fp32`). Outputs agree with stock to bf16 (fp32) rounding
 (tests/test_cpu_kernels.py; the attention path and the argmax are bit-identical, tests/test_attention.py): this
 script only times.
 """
@@ -72,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--context, --reps and --rounds must be >= 1")
         if args.drafter:
             raise UsageError("--drafter: this script times the target alone (pass --base)")
-        if args.dtype not in (None, "bf16"):
-            raise UsageError(f"--dtype {args.dtype}: the kernel is bf16 only")
-        args.dtype = "bf16"
+        if args.dtype not in (None, "bf16", "fp32"):
+            raise UsageError(f"--dtype {args.dtype}: the kernel takes bf16, or fp32 on AVX2 CPUs")
+        if args.dtype == "fp32" and not cpu_linear.fp32_route_supported():
+            raise UsageError(f"--dtype fp32: the kernel takes fp32 only on AVX2 CPUs without AVX-512 (this one: "
+                             f"{torch.backends.cpu.get_cpu_capability()})")
+        args.dtype = args.dtype or "bf16"
         if args.device not in (None, "cpu") or args.device_map or args.quantization != "none":
-            raise UsageError("the kernel is for a plain bf16 target on the CPU (no --device, --device-map or "
+            raise UsageError("the kernel is for a plain target on the CPU (no --device, --device-map or "
                              "--quantization)")
         args.device = "cpu"
         check_model_args(args)  # everything checkable before the kernel builds or a model loads
@@ -91,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     amx = "yes" if cpu_linear.amx_supported() else "no"
     dp = "yes" if cpu_linear.dp_supported() else "no"
     print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), AMX {amx}, AVX-512-BF16 {dp}, "
-          f"{torch.get_num_threads()} threads; {args.context} cached tokens; sizes {sizes}", flush=True)
+          f"{torch.get_num_threads()} threads; {args.dtype}; {args.context} cached tokens; sizes {sizes}", flush=True)
     # (label, kernel linears, the most rows they take, GQA attention): stock PyTorch, the kernel alone, the engine's
     # serving setup; and where the CPU's wide paths (AMX, AVX-512-BF16) take more than the vector path's 4 rows, the
     # kernel held to those 4
-    wide = cpu_linear.max_rows(model.config.hidden_size) > cpu_linear.FMA_ROWS
+    wide = model.dtype == torch.bfloat16 and cpu_linear.max_rows(model.config.hidden_size) > cpu_linear.FMA_ROWS
     variants = (("stock", False, None, False),
                 *((("kernel<=4", True, cpu_linear.FMA_ROWS, False),) if wide else ()),
                 ("kernel", True, None, False), ("kernel+gqa", True, None, True))

@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--no-cpu-kernel", action="store_true",
-                   help="our engine on stock PyTorch linears (default: its bf16 CPU kernel; inference.kernels.cpu_linear)")
+                   help="our engine on stock PyTorch linears (default: its CPU kernel; inference.kernels.cpu_linear)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method before timing")
     p.add_argument("--venv-dir", default=str(Path.home() / ".cache" / "draftsmith" / "peers"))

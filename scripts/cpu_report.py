@@ -4,7 +4,7 @@
 
 The CPU model and its vector/matrix flags (lscpu, else /proc/cpuinfo), torch's choice of kernels (its ATen CPU
 capability, BLAS/oneDNN build, what it detects), which of bitsandbytes' two CPU 4-bit paths NF4 layers take, and which
-paths of the engine's own bf16 linear (inference/kernels/cpu_linear.py) this CPU can take (nothing is built here).
+paths of the engine's own linear (inference/kernels/cpu_linear.py; bf16, and fp32 on AVX2) this CPU can take (nothing is built here).
 """
 
 from __future__ import annotations
@@ -70,16 +70,16 @@ def bitsandbytes_line() -> str:
 
 def engine_kernel_line(flags: list[str]) -> str:
     if not cpu_linear.cpu_supported():
-        return "draftsmith bf16 CPU kernel: not on this CPU (needs AVX2 + FMA): stock PyTorch linears"
+        return "draftsmith CPU kernel: not on this CPU (needs AVX2 + FMA): stock PyTorch linears"
     isa = "AVX-512" if cpu_linear.avx512_supported() else "AVX2"
     rows = f"{isa} for 1-{cpu_linear.FMA_ROWS} rows"
     if cpu_linear.amx_supported():
         rows += f", AMX for 2-{cpu_linear.AMX_ROWS}"
     elif cpu_linear.avx512_supported() and "avx512_bf16" in flags:
         rows += f", AVX-512-BF16 for 2-{cpu_linear.DP_ROWS}"
-    fp32 = (f"; fp32 layers of 2-{cpu_linear.FP32_ROWS} rows as weight @ x^T" if cpu_linear.fp32_route_supported()
-            else "")
-    return f"draftsmith bf16 CPU kernel: {rows} (built on first use; --no-cpu-kernel for stock){fp32}"
+    fp32 = (f"; fp32 layers: AVX2 for 1-{cpu_linear.FP32_ROWS} rows (2-{cpu_linear.FP32_MM_ROWS} as weight @ x^T "
+            f"where the kernel does not build)" if cpu_linear.fp32_route_supported() else "; fp32 layers: stock")
+    return f"draftsmith CPU kernel: bf16 {rows} (built on first use; --no-cpu-kernel for stock){fp32}"
 
 
 def report() -> list[str]:

@@ -1,9 +1,9 @@
-"""A bf16 linear for decode steps on the CPU: the engine's own kernel for the few-row products a decode step is.
+"""The engine's own CPU linear for decode steps: the few-row products a decode step is, in bf16, and in fp32 on AVX2.
 
 PyTorch's CPU bf16 `F.linear` at one to a few input rows streams the weights far below the memory bandwidth
 (measured on a 2-core Sapphire Rapids, SmolLM2-135M in bf16: its 211 matmuls take ~60 ms a token, ~4.5 GB/s,
 against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same products exactly (bf16 x bf16 in fp32,
-fp32 sums, one rounding to bf16): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
+fp32 sums, one rounding to bf16; `csrc/linear.cpp`): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
 the tile unit for 2..`AMX_ROWS` rows (a verification tree, Jacobi block or lookahead window of up to 32 tokens);
 where it has AVX-512-BF16 without AMX (Cooper Lake, AMD Zen 4/5, guests whose hypervisor hides the tiles), bf16
 dot-product instructions for 2..`DP_ROWS` rows.
@@ -11,16 +11,18 @@ Only the summation order differs from stock, so outputs agree with stock ones to
 of difference a K-row forward already has from a one-row forward. More rows (longer prefills, wider trees) stay on
 stock PyTorch, whose oneDNN GEMM wins there.
 
-fp32 needs no kernel of ours. On AVX2 CPUs (no AVX-512) stock `F.linear` at 2 to a few rows costs up to twice its
+fp32 on AVX2 CPUs (no AVX-512; `fp32_route_supported`): stock `F.linear` at 2 to a few rows costs up to twice its
 one-row call (it leaves the BLAS's matrix-vector path; host E, a Zen 3 EPYC, SmolLM2-135M in fp32: an 8-node
-verification forward took 227 ms against 99 for one token), while the same product computed as `weight @ x^T` takes
-the few-row path (146 ms; `scripts/step_cost.py --against-stock`). `fast_linears` routes fp32 layers of 2..`FP32_ROWS`
-rows that way on such CPUs (`fp32_route_supported`): the same products, another summation order, as between a one-row
-and a K-row forward already. Unmeasured on AVX-512 CPUs, where fp32 stays stock.
+verification forward took 227 ms against 99 for one token), and at 9-17 rows it runs at half the FMA rate the core
+has. The kernel's fp32 blocks (`linear_fp32`: 4 weight rows x 3 input rows of 8-lane dot products, the sums of one
+input row reduced and stored together) run 1..`FP32_ROWS` rows: the same products in another summation order, as
+between a one-row and a K-row forward already (`scripts/step_cost.py --against-stock` measures the forward). Where the
+kernel cannot be built, fp32 layers of 2..`FP32_MM_ROWS` rows run as `weight @ x^T` instead, which takes the BLAS's
+few-row path (`few_rows_fp32`: 146 ms for that 8-node forward). Unmeasured on AVX-512 CPUs, where fp32 stays stock.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, or fp32 where the fp32 route runs; CPU, contiguous
-weight, no forward of their own set by a hook library) through the kernel (bf16) or `weight @ x^T` (fp32) while its
-block runs, and only under no-grad/inference mode: training, Hugging Face `generate` and every baseline outside the
+weight, no forward of their own set by a hook library) through the kernel (or fp32's `weight @ x^T` without it) while
+its block runs, and only under no-grad/inference mode: training, Hugging Face `generate` and every baseline outside the
 block stay stock. A layer is installed once (`install`: its class becomes `KernelLinear`, a plain nn.Linear
 subclass); a block only switches the routing on, for its own thread. The kernel is built once per machine and torch
 version with `torch.utils.cpp_extension` (ninja, a C++ compiler; ~1 min) into the draftsmith cache, and only on x86
@@ -53,8 +55,10 @@ FMA_ROWS = 4  # rows the AVX-512/AVX2 FMA paths take where no wider path runs (m
 # were routed: 1-4 rows won, 16 lost; unmeasured since on CPUs with neither)
 AMX_ROWS = 32  # input rows up to which the AMX path runs (two B tiles), for inputs whose width is a multiple of 32
 DP_ROWS = 32  # input rows up to which the AVX-512-BF16 path runs where there is no AMX
-FP32_ROWS = 9  # input rows up to which fp32 layers take `weight @ x^T` (host E: 2-9 rows won, 17 lost)
-SOURCE = Path(__file__).with_name("csrc") / "linear_bf16.cpp"
+FP32_ROWS = 32  # input rows up to which fp32 layers run on the kernel (host E, SmolLM2's shapes: 1-65 rows won; 32
+# covers a verification tree of 31 nodes, longer prefills stay on stock GEMM)
+FP32_MM_ROWS = 9  # without the kernel: rows up to which fp32 layers take `weight @ x^T` (host E: 2-9 won, 17 lost)
+SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file inside a build directory (a FileBaton)
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
@@ -84,7 +88,8 @@ def fp32_route_supported() -> bool:
 
 def few_rows_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, limit: int) -> torch.Tensor | None:
     """x [..., K] @ weight [N, K]^T (+ bias) as (weight @ x^T)^T for 2..`limit` rows of an fp32 CPU input under no
-    grad; None where that does not apply (the caller runs stock `F.linear`)."""
+    grad; None where that does not apply (the caller runs stock `F.linear`). fp32's route where the kernel is not
+    built."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if not 2 <= rows <= limit or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
@@ -121,7 +126,7 @@ def dp_supported() -> bool:
 
 def _extension_name() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    return f"draftsmith_linear_bf16_{digest}"
+    return f"draftsmith_linear_{digest}"
 
 
 def compiler_identity() -> str:
@@ -165,7 +170,7 @@ def load_kernel() -> Any:
     marker = None if any(build_dir.glob(f"{name}*.so")) else failure_marker(name)
     if marker is not None and marker.is_file():
         _failed = True
-        warnings.warn(f"the engine's bf16 CPU kernel failed to build before with this compiler and flags ({marker}; "
+        warnings.warn(f"the engine's CPU kernel failed to build before with this compiler and flags ({marker}; "
                       f"delete it to retry), stock PyTorch linear runs instead", stacklevel=2)
         return None
     try:
@@ -177,7 +182,7 @@ def load_kernel() -> Any:
         _kernel = None
         if marker is not None:  # a build was attempted: later processes skip it
             _remember_failure(marker, exc)
-        warnings.warn(f"the engine's bf16 CPU kernel is unavailable, stock PyTorch linear runs instead: "
+        warnings.warn(f"the engine's CPU kernel is unavailable, stock PyTorch linear runs instead: "
                       f"{_first_line(exc)}", stacklevel=2)
         return None
     return _kernel
@@ -194,7 +199,7 @@ def _build(name: str, build_dir: Path) -> Any:
         # every later load would wait on it forever; under our lock nobody else holds it
         (build_dir / TORCH_BATON).unlink(missing_ok=True)
         if not any(build_dir.glob(f"{name}*.so")):
-            print(f"building the engine's bf16 CPU kernel in {build_dir} (once, ~1 min)", file=sys.stderr, flush=True)
+            print(f"building the engine's CPU kernel in {build_dir} (once, ~1 min)", file=sys.stderr, flush=True)
         return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
                                   extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
 
@@ -216,14 +221,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     where available) lets 2..32 rows run on the tile unit, `dp` (default: where available) lets 2.. rows that AMX does
     not take run on AVX-512-BF16 dot products; `avx512=False` takes the AVX2 path even where AVX-512 exists (for
     tests). Any number of rows is computed correctly; `max_rows` says up to how many it is faster than stock."""
-    kernel = load_kernel()
-    if kernel is None:
-        raise RuntimeError("the bf16 CPU kernel is not available on this machine (see cpu_supported())")
+    kernel = _require_kernel()
     if amx and not _amx:
         raise RuntimeError("AMX is not available on this machine (see amx_supported())")
     if dp and not _dp:
         raise RuntimeError("AVX-512-BF16 is not available on this machine (see dp_supported())")
     return kernel.linear_bf16(x, weight, bias, _amx if amx is None else amx, avx512, _dp if dp is None else dp)
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], all fp32 on the CPU, through the kernel's AVX2 + FMA
+    blocks. Any number of rows is computed correctly; up to `FP32_ROWS` it is faster than stock on AVX2 CPUs."""
+    return _require_kernel().linear_fp32(x, weight, bias)
+
+
+def _require_kernel() -> Any:
+    kernel = load_kernel()
+    if kernel is None:
+        raise RuntimeError("the engine's CPU kernel is not available on this machine (see cpu_supported())")
+    return kernel
 
 
 def eligible(module: nn.Module) -> bool:
@@ -244,12 +260,16 @@ class KernelLinear(nn.Linear):
     (stock `F.linear` otherwise: training, Hugging Face `generate`, every baseline). `install` turns an eligible layer
     into one by changing its class, once: the same parameters, state_dict, deepcopy and pickling as before."""
 
-    kernel_rows: int  # rows up to which this layer's width runs on the kernel (max_rows), or fp32's route (FP32_ROWS)
+    kernel_rows: int  # rows up to which this layer runs on the kernel (bf16: max_rows; fp32: FP32_ROWS, or
+    # FP32_MM_ROWS through `weight @ x^T` where the kernel is not built)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = _routing.get()
         if routing is not None and self.weight.dtype == torch.float32:
-            y = few_rows_fp32(x, self.weight, self.bias, min(routing[1], self.kernel_rows))
+            kernel, limit = routing
+            limit = min(limit, self.kernel_rows)
+            y = (few_rows_fp32(x, self.weight, self.bias, min(limit, FP32_MM_ROWS)) if kernel is None
+                 else kernel.linear_fp32_routed(x, self.weight, self.bias, limit))
             if y is not None:
                 return y
         elif routing is not None and routing[0] is not None:
@@ -264,25 +284,27 @@ class KernelLinear(nn.Linear):
 
 # (the kernel, a row limit) inside a fast_linears block of this thread / task; None: KernelLinear runs stock
 _routing: ContextVar[tuple[Any, int] | None] = ContextVar("draftsmith_kernel_routing", default=None)
-ALL_ROWS = max(FMA_ROWS, AMX_ROWS, DP_ROWS)  # no limit beyond each layer's own kernel_rows
+ALL_ROWS = max(FMA_ROWS, AMX_ROWS, DP_ROWS, FP32_ROWS)  # no limit beyond each layer's own kernel_rows
 
 
 def install(*modules: nn.Module | None) -> list[KernelLinear]:
     """Turn the eligible linears of `modules` (None entries skipped) into KernelLinear, once (layers installed before
-    are kept); -> every KernelLinear among them. bf16 layers are installed only where the kernel is available (it is
-    only built when some bf16 layer is eligible); fp32 layers need no kernel."""
+    are kept); -> every KernelLinear among them. The kernel is built when some layer is eligible; bf16 layers are
+    installed only where it is available, fp32 layers also without it (`few_rows_fp32`)."""
     found: dict[int, nn.Module] = {}
     for root in modules:
         for module in root.modules() if root is not None else ():
             if isinstance(module, KernelLinear) or (type(module) is nn.Linear and eligible(module)):
                 found.setdefault(id(module), module)
-    if any(layer.weight.dtype == torch.bfloat16 for layer in found.values()) and load_kernel() is None:
+    kernel = load_kernel() if found else None
+    if kernel is None:
         found = {key: layer for key, layer in found.items() if layer.weight.dtype != torch.bfloat16}
+    fp32_rows = FP32_MM_ROWS if kernel is None else FP32_ROWS
     for layer in found.values():
         if not isinstance(layer, KernelLinear):
             fp32 = layer.weight.dtype == torch.float32
             layer.__class__ = KernelLinear
-            layer.kernel_rows = FP32_ROWS if fp32 else max_rows(layer.in_features)
+            layer.kernel_rows = fp32_rows if fp32 else max_rows(layer.in_features)
     return list(found.values())
 
 
@@ -293,7 +315,7 @@ def fast_linears(*modules: nn.Module | None, enabled: bool = True, row_limit: in
     is the routing of CPUs without AMX or AVX-512-BF16). Yields how many layers are routed (0 where nothing is
     eligible, the kernel is unavailable or enabled=False). Outside the block, also on error, every layer runs stock."""
     layers = install(*modules) if enabled else []
-    kernel = load_kernel() if any(layer.weight.dtype == torch.bfloat16 for layer in layers) else None  # fp32: none
+    kernel = load_kernel() if layers else None  # None: fp32 layers take few_rows_fp32
     routing = (kernel, ALL_ROWS if row_limit is None else row_limit) if layers else None
     token = _routing.set(routing)
     try:
