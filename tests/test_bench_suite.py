@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from data.errors import UsageError
-from inference.bench.suite import bench_namespace, main, read_plan
+from inference.bench.suite import bench_namespace, check_plan, main, read_plan
 from tests.test_bench import data_dir, models  # noqa: F401  (fixtures: prompt sets, tiny target + draft)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -104,6 +104,15 @@ def test_a_method_base_that_does_not_exist_fails_before_the_baselines_load(data_
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert err == [f"error: {plan}: methods.a: model path '{tmp_path}/gone/backbone' does not exist"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_plain_loop_variant_is_a_method_when_it_says_drafter_none(data_dir, models, tmp_path):
+    """`--drafter none` said outright: our plain loop with other engine options (here stock linears) beside the
+    baselines; only a method that names no drafter at all is refused."""
+    plan = read_plan(write_plan(tmp_path, f"common: --base {models['target']} --questions gsm8k:2\nmethods:\n"
+                                          f"  ar_stock: --drafter none --no-cpu-kernel\n"))
+    _, method_args = check_plan(plan)
+    assert method_args["ar_stock"].drafter == "none" and method_args["ar_stock"].no_cpu_kernel
 
 
 def test_only_picks_methods_and_names_unknown_ones(data_dir, tmp_path, capsys):

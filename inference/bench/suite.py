@@ -217,8 +217,9 @@ def check_plan(plan: Plan) -> tuple[argparse.Namespace, dict[str, argparse.Names
     method_args = {}
     for m in plan.methods:
         args = bench_namespace(plan, m.args, f"methods.{m.name}")
-        if not args.drafter or args.drafter == "none":
-            raise UsageError(f"{plan.path}: methods.{m.name}: needs --drafter (the baselines run without one)")
+        if not args.drafter:  # `--drafter none`, said outright: our plain loop with other options (--no-cpu-kernel)
+            raise UsageError(f"{plan.path}: methods.{m.name}: needs --drafter (the baselines run without one; "
+                             f"--drafter none for a plain-loop variant)")
         if args.tree and ("/" in args.tree or args.tree.endswith(".json")) and not Path(args.tree).exists():
             raise UsageError(f"{plan.path}: methods.{m.name}: --tree {args.tree}: not found")
         try:

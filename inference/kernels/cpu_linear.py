@@ -2,9 +2,9 @@
 
 PyTorch's CPU bf16 `F.linear` at one to a few input rows streams the weights far below the memory bandwidth
 (measured on a 2-core Sapphire Rapids, SmolLM2-135M in bf16: its 211 matmuls take ~60 ms a token, ~4.5 GB/s,
-against ~16 GB/s read bandwidth). `csrc/linear_bf16.cpp` computes the same products exactly (bf16 x bf16 in fp32,
-fp32 sums, one rounding to bf16; `csrc/linear.cpp`): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX,
-the tile unit for 2..`AMX_ROWS` rows (a verification tree, Jacobi block or lookahead window of up to 32 tokens);
+against ~16 GB/s read bandwidth). `csrc/linear.cpp` computes the same products exactly (bf16 x bf16 in fp32,
+fp32 sums, one rounding to bf16): AVX-512 (else AVX2 + FMA) for up to `FMA_ROWS` rows, and where the CPU has AMX, the
+tile unit for 2..`AMX_ROWS` rows (a verification tree, Jacobi block or lookahead window of up to 32 tokens);
 where it has AVX-512-BF16 without AMX (Cooper Lake, AMD Zen 4/5, guests whose hypervisor hides the tiles), bf16
 dot-product instructions for 2..`DP_ROWS` rows.
 Only the summation order differs from stock, so outputs agree with stock ones to the last bf16 bit, the same kind
