@@ -26,7 +26,8 @@ Every datastore row is walked with each of --datastore-smoothing's distributions
 Witten-Bell interpolation over the matched suffixes, or the longest match's counts) and each of
 --datastore-request-weight's weights of the request's own text in its counts, over one index, and prompt lookup with
 each datastore at each of --min-expected's thresholds (a row drafts only when the datastore expects that many of its
-nodes accepted; 0: always). Each row also gives the nodes drafted a step, the share of steps that drafted, and with
+nodes accepted; 0: always), and at each of --node-cost's costs (each step's nodes ranked by score and cut to as many
+as pay at that cost of a drafted node in plain steps). Each row also gives the nodes drafted a step, the share of steps that drafted, and with
 --forward-ms (a forward's milliseconds by drafted nodes, as scripts/step_cost.py prints them) the speed those steps
 would have against plain decoding, from the forwards alone.
 """
@@ -92,11 +93,12 @@ class Drafts:
     datastore's tree with a datastore); "store", the datastore's tree alone; "chains", prompt lookup's chain and the
     datastore's greedy chain (`Datastore.continuation`) taking turns."""
 
-    def __init__(self, num_draft: int, store: Datastore | None, mode: str = "lookup", min_expected: float = 0.0
-                 ) -> None:
+    def __init__(self, num_draft: int, store: Datastore | None, mode: str = "lookup", min_expected: float = 0.0,
+                 node_cost: float = 0.0) -> None:
         if mode not in ("lookup", "store", "chains") or (mode != "lookup" and store is None):
             raise ValueError(f"Drafts: mode {mode!r} with store {store!r}")
-        self.lookup = PromptLookupDrafter(num_draft=num_draft, datastore=store, min_expected=min_expected)
+        self.lookup = PromptLookupDrafter(num_draft=num_draft, datastore=store, min_expected=min_expected,
+                                          node_cost=node_cost)
         self.store, self.mode = store, mode
 
     def served(self, answer: list[int]) -> None:
@@ -131,6 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-expected", default="0", metavar="X[,X...]",
                    help="comma list of prompt lookup's min_expected with a datastore: a row drafts only when the "
                         "datastore expects that many of its nodes accepted (default 0: always)")
+    p.add_argument("--node-cost", default="", metavar="C[,C...]",
+                   help="comma list of prompt lookup's node_cost with a datastore: each step's nodes cut to as many as "
+                        "pay when a drafted node costs C plain steps (default: none walked)")
     p.add_argument("--forward-ms", metavar="K:MS,...",
                    help="a target forward's milliseconds by drafted nodes K (0 is a plain step), as "
                         "scripts/step_cost.py prints them: adds each row's speed against plain decoding")
@@ -164,6 +169,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ValueError
     except ValueError:
         p.error(f"--min-expected takes a comma list of numbers >= 0, got {args.min_expected!r}")
+    try:
+        args.node_costs = [float(x) for x in filter(None, args.node_cost.split(","))]
+        if not all(math.isfinite(x) and x > 0 for x in args.node_costs):
+            raise ValueError
+    except ValueError:
+        p.error(f"--node-cost takes a comma list of numbers > 0, got {args.node_cost!r}")
     try:
         args.costs = None if args.forward_ms is None else StepCost.parse(args.forward_ms)
     except ValueError as e:
@@ -199,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     for question in tqdm(questions, desc="greedy answers"):
         prompt = engine.encode(question.turns[0])
         cases.append((prompt, engine.generate_ids(prompt, max_new_tokens=args.max_new_tokens).sequences[0]))
-    rows = [("prompt lookup", None, "lookup", 0.0)]
-    rows += [(f"datastore {path}", store, "store", 0.0) for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path}" + (f", drafting at ≥ {x:g} expected" if x else ""), store, "lookup", x)
+    rows = [("prompt lookup", None, "lookup", 0.0, 0.0)]
+    rows += [(f"datastore {path}", store, "store", 0.0, 0.0) for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path}" + (f", drafting at ≥ {x:g} expected" if x else ""), store, "lookup", x, 0.0)
              for path, store in stores.items() for x in args.thresholds]
-    rows += [(f"prompt lookup + {path}, its greedy chain", store, "chains", 0.0) for path, store in stores.items()]
-    rows += [(f"prompt lookup + {path}, growing", store, "lookup", 0.0) for path, store in grow.items()]
+    rows += [(f"prompt lookup + {path}, sized at node cost {c:g}", store, "lookup", 0.0, c)
+             for path, store in stores.items() for c in args.node_costs]
+    rows += [(f"prompt lookup + {path}, its greedy chain", store, "chains", 0.0, 0.0) for path, store in stores.items()]
+    rows += [(f"prompt lookup + {path}, growing", store, "lookup", 0.0, 0.0) for path, store in grow.items()]
     shuffles = [random.Random(args.seed + i).sample(cases, len(cases)) for i in range(args.orders)]
     total = sum(len(answer) for _, answer in cases)
     print(f"{len(cases)} prompts (--questions {args.questions}), {total} answer tokens, greedy, {args.dtype}")
@@ -213,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'drafter':{width}}{'nodes':>7}{'walk τ':>9}{'nodes a step':>14}{'drafted':>9}{speed}   growing: mean "
           f"[min, max] over {args.orders} shuffles")
     for budget in args.budgets:
-        for name, store, mode, threshold in rows:
-            draft = Drafts(budget, store, mode, threshold)
+        for name, store, mode, threshold, node_cost in rows:
+            draft = Drafts(budget, store, mode, threshold, node_cost)
             drafted: list[int] = []
             tau = walk_all(cases, draft, budget, drafted)
             line = (f"{name:{width}}{'≤ ' + str(budget + 1):>7}{tau:9.3f}{statistics.mean(drafted or [0]):14.2f}"

@@ -9,8 +9,9 @@ The target prefills --context random tokens, then runs, as the engine's loop doe
 forward over the root and a chain of k drafted nodes for each k of --nodes, --repeats times after a warm-up; the
 median of each is printed with its ratio to a plain step (k = 0) and the break-even acceptance: the drafts a step of
 k nodes must accept on average to beat plain decoding, t(k) / t(0) - 1. That is the value of prompt lookup's
-`min_expected` option for num_draft = k on this host (inference.drafters.prompt_lookup). The last line is the curve as
-K:MS items, the form scripts/lookup_walk.py's --forward-ms reads; --quiet prints only that line.
+`min_expected` option for num_draft = k on this host (inference.drafters.prompt_lookup); the least-squares cost of one
+drafted node in plain steps is its `node_cost` option (each step's nodes cut to as many as pay). The last line is the
+curve as K:MS items, the form scripts/lookup_walk.py's --forward-ms reads; --quiet prints only that line.
 
 --against-stock also times the loop with its CPU kernels off (stock `F.linear`, the engine's --no-cpu-kernel): the
 two curves alternate, --rounds times each, and each size's figure is the median of its rounds' medians, with the
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         row = (f"| {k} | {ms:.1f} | {ms / cost.ms(0):.2f} | {cost.break_even(k):.2f} |" if k else
                f"| 0 (plain) | {ms:.1f} | 1.00 | |")
         say(row + ("" if stock is None else f" {stock.ms(k):.1f} | {ms / stock.ms(k):.2f} |"))
+    say(f"\none drafted node costs {cost.node_cost():.3f} plain steps (least squares): prompt lookup's "
+        f"--drafter-option node_cost={cost.node_cost():.3f}")
     say()
     print(cost, flush=True)
     return 0

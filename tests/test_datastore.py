@@ -513,6 +513,34 @@ def test_prompt_lookup_drafts_only_where_the_datastore_expects_enough_accepted()
     assert PromptLookupDrafter(min_expected=0.0).min_expected == 0.0
 
 
+def test_node_cost_drafts_the_best_scored_nodes_that_pay():
+    """node_cost: a row's nodes (the chain's and the tree's, a node both draft scored by the larger) ranked by score,
+    parents first, cut to the k maximising (1 + their scores' sum) / (1 + node_cost * k); k = 0 drafts nothing."""
+    store = Datastore([[7, 8, 9]] * 3 + [[7, 8, 5]], smoothing="longest", request_weight=0)
+    # the datastore's tree alone: 8 (score 1), 8 9 (3/4), 8 5 (1/4)
+    row = [[3, 3, 4, 4, 4, 7]]
+    # cost 0.3: 2 / 1.3, 2.75 / 1.6, 3 / 1.9 -> 2 nodes; 0.6: 2 / 1.6 = 2.75 / 2.2 -> 1 (ties keep fewer); 1: 2 / 2
+    # is no gain over a plain step -> none
+    for cost, nodes in ((0.01, [(8,), (8, 9), (8, 5)]), (0.3, [(8,), (8, 9)]), (0.6, [(8,)]), (1.0, None)):
+        drafter = PromptLookupDrafter(num_draft=3, datastore=store, node_cost=cost)
+        assert drafter.sources(state_of(row)) == ([[nodes]] if nodes else [[]]), cost
+    # the chain 5 6 1 (5 scores 1, 6 scores 0: "2 5" is followed by 9 alone) and the tree 5 9 9 9 (1 each): 5 once,
+    # then the tree's path, the chain's 6 ranked last and cut by num_draft
+    both = Datastore([[2, 5, 9, 9]], smoothing="longest", request_weight=0)
+    row = [[1, 2, 5, 6, 1, 2]]
+    sized = PromptLookupDrafter(num_draft=4, datastore=both, node_cost=0.01)
+    assert sized.sources(state_of(row)) == [[[(5,), (5, 9), (5, 9, 9), (5, 9, 9, 9)]]]
+    draft = PromptLookupDrafter(num_draft=4, datastore=both, node_cost=2.0).propose(state_of(row))
+    assert draft.tree.num_nodes == 1  # nothing pays at 2 plain steps a node: a plain step
+    for bad in (-0.5, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="prompt_lookup: node_cost must be a number >= 0"):
+            PromptLookupDrafter(datastore=store, node_cost=bad)
+    with pytest.raises(ValueError, match="prompt_lookup: node_cost needs a datastore"):
+        PromptLookupDrafter(node_cost=0.1)
+    with pytest.raises(ValueError, match="min_expected and node_cost both decide"):
+        PromptLookupDrafter(datastore=store, node_cost=0.1, min_expected=1.0)
+
+
 def test_min_expected_is_checked_with_the_load_options_before_the_model_loads(tmp_path, monkeypatch):
     target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
     source = sharegpt_file(tmp_path, [chat("hi", "hello world, hello there!")])
@@ -562,7 +590,9 @@ def test_greedy_equals_plain_greedy_with_the_datastores_drafts_accepted(tiny_lm)
                      attention_mask=mask)
     never = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=6, datastore=store, min_expected=1e9), config,
                      attention_mask=mask)
-    assert gated.sequences == plain and never.sequences == plain
+    sized = generate(tiny_lm, ids, PromptLookupDrafter(num_draft=6, datastore=store, node_cost=0.1), config,
+                     attention_mask=mask)
+    assert gated.sequences == plain and never.sequences == plain and sized.sequences == plain
     assert never.stats.mean_accepted == 0 and never.stats.steps == max(map(len, plain)) - 1  # a token a step
     own = store.configured(request_weight=10)  # each row's own text in the counts: rows draft differently
     for drafter in (PromptLookupDrafter(num_draft=6, datastore=own),
@@ -714,12 +744,13 @@ def test_several_text_sources_checked_first_are_each_parsed_once(tmp_path, monke
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("num_draft, request_weight, min_expected", [(3, 0, 0.0), (6, 0, 0.0), (6, 10, 0.0),
-                                                                    (6, 10, 1.0)])
-def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_weight, min_expected):
+@pytest.mark.parametrize("num_draft, request_weight, min_expected, node_cost", [
+    (3, 0, 0.0, 0.0), (6, 0, 0.0, 0.0), (6, 10, 0.0, 0.0), (6, 10, 1.0, 0.0), (6, 10, 0.0, 0.1)])
+def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_weight, min_expected, node_cost):
     """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
     prefill included) for prompt lookup with a datastore, without a tree forward, the request's own text counted in
-    the datastore's or not, drafting every step or only where it expects enough accepted; and the nodes it drafts."""
+    the datastore's or not, drafting every step, only where it expects enough accepted, or as many nodes as pay; and
+    the nodes it drafts."""
     script = load_script("lookup_walk")
     prompts, others = repetitive_prompts(21, 4), repetitive_prompts(22, 6)
     config = DecodeConfig(max_new_tokens=24)
@@ -730,11 +761,12 @@ def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_w
     drafted: list[int] = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        drafter = PromptLookupDrafter(num_draft=num_draft, datastore=store, min_expected=min_expected)
+        drafter = PromptLookupDrafter(num_draft=num_draft, datastore=store, min_expected=min_expected,
+                                      node_cost=node_cost)
         out = generate(tiny_lm, ids, drafter, config)
         tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
-        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store, min_expected=min_expected),
-                           num_draft, drafted)
+        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store, min_expected=min_expected,
+                                                                   node_cost=node_cost), num_draft, drafted)
         walked_tokens, walked_forwards = walked_tokens + t, walked_forwards + f
     assert (walked_tokens, walked_forwards) == (tokens, forwards)
     assert tokens / forwards > 1.2  # drafts were accepted

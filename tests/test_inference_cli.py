@@ -196,7 +196,8 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
                                   "datastore", "datastore_line", "datastore_lookup", "datastore_grow",
                                   "datastore_grow_lookup", "datastore_grow_build_tree", "datastore_smoothing",
                                   "datastore_smoothing_alone", "datastore_request_weight",
-                                  "datastore_request_weight_alone", "min_expected", "min_expected_alone"])
+                                  "datastore_request_weight_alone", "min_expected", "min_expected_alone",
+                                  "node_cost", "node_cost_with_min_expected"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -254,6 +255,11 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "min_expected_alone": (("bench", "--drafter", "prompt_lookup", "--drafter-option", "min_expected=1.5", "--base",
                                 assets["model"], "--questions", assets["questions"]),
                                "prompt_lookup: min_expected needs a datastore (--datastore or --datastore-grow)"),
+        "node_cost": (("generate", "--drafter", "prompt_lookup", "--drafter-option", "node_cost=x", "--base",
+                       assets["model"], "--prompt", "x", "--datastore-grow", "100"), "node_cost"),
+        "node_cost_with_min_expected": (("generate", "--drafter", "prompt_lookup", "--drafter-option", "node_cost=0.1",
+                                         "--drafter-option", "min_expected=1", "--base", assets["model"], "--prompt",
+                                         "x", "--datastore-grow", "100"), "min_expected and node_cost both decide"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

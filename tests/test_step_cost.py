@@ -52,6 +52,7 @@ def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path,
     assert script.main([*base, "--nodes", "0,4", "--repeats", "1", "--context", "8"]) == 0
     table = capsys.readouterr().out
     assert "| 0 (plain) |" in table and "| 4 |" in table and "break-even" in table
+    assert "plain steps (least squares): prompt lookup's --drafter-option node_cost=" in table
     assert script.main([*base, "--nodes", "0,3", "--repeats", "1", "--context", "8", "--against-stock",
                         "--rounds", "2"]) == 0
     out = capsys.readouterr()
@@ -68,3 +69,11 @@ def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path,
         assert script.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
+
+
+def test_step_cost_fits_the_cost_of_a_drafted_node():
+    """StepCost.node_cost: the least-squares slope of t(k) / t(0) - 1 against k through the origin."""
+    assert StepCost.parse("0:100,1:110,2:120,4:140").node_cost() == pytest.approx(0.1)
+    assert StepCost.parse("0:100,2:110,4:150").node_cost() == pytest.approx((2 * 0.1 + 4 * 0.5) / 20)
+    assert StepCost.parse("0:100,1:90").node_cost() == 0.0  # a drafted node that costs nothing: never negative
+    assert StepCost.parse("0:100").node_cost() == 0.0

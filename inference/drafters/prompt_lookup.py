@@ -23,6 +23,12 @@ sources draft, the larger). A row below it drafts nothing that step, so a step w
 one-token forward. A step pays when 1 + expected accepted > t(N) / t(0), the cost of an N-node forward in plain ones:
 min_expected = t(N) / t(0) - 1 is the break-even point (docs/eagle3.md, "Drafting only when it pays").
 
+`node_cost` > 0 sizes each row's draft node by node instead: the chain's and the tree's nodes ranked by score (a
+parent before its children: a child's score is its parent's times a probability), cut to the k <= num_draft that
+maximise (1 + the sum of their scores) / (1 + node_cost * k), with node_cost the cost of one drafted node in plain
+steps (t(k) / t(0) ~ 1 + node_cost * k; `scripts/step_cost.py` fits it for a host). k = 0 makes the row's step a
+plain one.
+
 Drafts are a deterministic function of the committed tokens, so greedy verification and rejection sampling with
 the one-hot rule (inference.engine.verify) keep the output exact.
 """
@@ -86,13 +92,14 @@ class LookupRun:
 class PromptLookupDrafter:
     """A chain of up to `num_draft` tokens per row from an `NgramIndex` over that row's prompt and output; with a
     `datastore`, also the datastore's tree for the row (the two share `num_draft` nodes, a node at a time), and with
-    `min_expected` > 0 only when the datastore expects that many of the row's nodes accepted (module docstring).
+    `min_expected` > 0 only when the datastore expects that many of the row's nodes accepted, or with `node_cost` > 0
+    the best-scored nodes, as many as pay at that cost (module docstring).
     Rows without a match contribute no nodes (fillers where other rows drafted; a root-only tree when none did)."""
 
     needs_hidden = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 8,
-                 datastore: Datastore | None = None, min_expected: float = 0.0) -> None:
+                 datastore: Datastore | None = None, min_expected: float = 0.0, node_cost: float = 0.0) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt_lookup: need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
                              f"max_ngram={max_ngram}")
@@ -101,11 +108,17 @@ class PromptLookupDrafter:
         if isinstance(min_expected, bool) or not math.isfinite(min_expected) or min_expected < 0:
             raise ValueError(f"prompt_lookup: min_expected must be a number >= 0 (accepted drafts a step), got "
                              f"{min_expected!r}")
-        if min_expected and datastore is None:
-            raise ValueError("prompt_lookup: min_expected needs a datastore (--datastore or --datastore-grow): the "
-                             "expected acceptance comes from its next-token probabilities")
+        if isinstance(node_cost, bool) or not math.isfinite(node_cost) or node_cost < 0:
+            raise ValueError(f"prompt_lookup: node_cost must be a number >= 0 (plain steps a drafted node costs), "
+                             f"got {node_cost!r}")
+        for name, value in (("min_expected", min_expected), ("node_cost", node_cost)):
+            if value and datastore is None:
+                raise ValueError(f"prompt_lookup: {name} needs a datastore (--datastore or --datastore-grow): the "
+                                 f"expected acceptance comes from its next-token probabilities")
+        if min_expected and node_cost:
+            raise ValueError("prompt_lookup: min_expected and node_cost both decide how much a row drafts: give one")
         self.max_ngram, self.min_ngram, self.num_draft = max_ngram, min_ngram, num_draft
-        self.datastore, self.min_expected = datastore, float(min_expected)
+        self.datastore, self.min_expected, self.node_cost = datastore, float(min_expected), float(node_cost)
         self._trees = TreeCache()
 
     def sources(self, state: DecodeState) -> list[list[list[tuple[int, ...]]]]:
@@ -133,6 +146,8 @@ class PromptLookupDrafter:
         if self.datastore is None:
             return [chain_nodes(chain)] if chain else []
         scored = self.datastore.scored_tree(index.tokens, self.num_draft, index.counts)
+        if self.node_cost:
+            return self.sized(index, chain, scored)
         found = [nodes for nodes in (chain_nodes(chain), [path for path, _ in scored]) if nodes]
         if self.min_expected and self.expected(index, chain, scored, found) < self.min_expected:
             return []
@@ -151,6 +166,23 @@ class PromptLookupDrafter:
         for path, value in zip(chain_nodes(chain), self.datastore.path_scores(index.tokens, chain, index.counts)):
             score[path] = max(value, score.get(path, 0.0))
         return sum(score.get(path, 0.0) for path in taken)
+
+    def sized(self, index: NgramIndex, chain: list[int], scored: list[tuple[tuple[int, ...], float]]
+              ) -> list[list[tuple[int, ...]]]:
+        """One row's nodes sized by `node_cost`: the chain's and the tree's nodes (a node both draft scored by the
+        larger) ranked by score, shorter first on ties, so that every parent precedes its children; the first k <=
+        num_draft of them maximising (1 + their scores' sum) / (1 + node_cost * k), as one source (none for k = 0)."""
+        score = dict(scored)
+        if chain:
+            for path, value in zip(chain_nodes(chain), self.datastore.path_scores(index.tokens, chain, index.counts)):
+                score[path] = max(value, score.get(path, 0.0))
+        ranked = sorted(score.items(), key=lambda item: (-item[1], len(item[0])))[: self.num_draft]
+        best_k, best, expected = 0, 1.0, 0.0  # k = 0: a plain step, one token for one step's cost
+        for k, (_, value) in enumerate(ranked, 1):
+            expected += value
+            if (1 + expected) / (1 + self.node_cost * k) > best:
+                best_k, best = k, (1 + expected) / (1 + self.node_cost * k)
+        return [[path for path, _ in ranked[:best_k]]] if best_k else []
 
     def propose(self, state: DecodeState) -> Draft:
         return paths_draft(state.root, self.sources(state), self.num_draft, self._trees, take_turns=True)
