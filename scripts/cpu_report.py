@@ -4,7 +4,8 @@
 
 The CPU model and its vector/matrix flags (lscpu, else /proc/cpuinfo), torch's choice of kernels (its ATen CPU
 capability, BLAS/oneDNN build, what it detects), which of bitsandbytes' two CPU 4-bit paths NF4 layers take, and which
-paths of the engine's own linear (inference/kernels/cpu_linear.py; bf16, and fp32 on AVX2) this CPU can take (nothing is built here).
+paths of the engine's own linear (inference/kernels/cpu_linear.py; bf16, and fp32 on AVX2) this CPU can take (nothing
+is built here).
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ Witten-Bell interpolation over the matched suffixes, or the longest match's coun
 --datastore-request-weight's weights of the request's own text in its counts, over one index, and prompt lookup with
 each datastore at each of --min-expected's thresholds (a row drafts only when the datastore expects that many of its
 nodes accepted; 0: always), and at each of --node-cost's costs (each step's nodes ranked by score and cut to as many
-as pay at that cost of a drafted node in plain steps). Each row also gives the nodes drafted a step, the share of steps that drafted, and with
---forward-ms (a forward's milliseconds by drafted nodes, as scripts/step_cost.py prints them) the speed those steps
-would have against plain decoding, from the forwards alone.
+as pay at that cost of a drafted node in plain steps). Each row also gives the nodes drafted a step, the share of
+steps that drafted, and with --forward-ms (a forward's milliseconds by drafted nodes, as scripts/step_cost.py prints
+them) the speed those steps would have against plain decoding, from the forwards alone.
 """
 
 from __future__ import annotations
