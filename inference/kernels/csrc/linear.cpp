@@ -209,31 +209,49 @@ DS_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-template <int NB, int MB>
-DS_AVX2 void block_avx2(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
-  const Block<NB, MB> blk(p, n, nb, m, mb);
-  __m256 acc[NB][MB];
+// 8 weights as fp32 lanes: bf16 widened (exact: a shift), or fp32 as they are
+DS_AVX2 inline __m256 load8(const uint16_t* w) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+DS_AVX2 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+
+// acc[i][j] = 8-lane partial sums of w[i][k] * x[j][k] over k < K / 8 * 8 (the AVX2 paths' one inner loop, bf16 or
+// fp32 weights). With `prefetch`, each new cache line of a weight row asks for the same line of the next block's
+// rows (NB rows further on; see the top).
+template <typename W, int NB, int MB>
+DS_AVX2 void dot8(const W* const (&w)[NB], const float* const (&x)[MB], int64_t K, bool prefetch,
+                  __m256 (&acc)[NB][MB]) {
+  constexpr int64_t line = 64 / sizeof(W);  // weights a cache line holds
 #pragma GCC unroll 16
   for (int i = 0; i < NB; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t k_done = p.K / 8 * 8;
+  const int64_t k_done = K / 8 * 8;
   for (int64_t k = 0; k < k_done; k += 8) {
     __m256 xv[MB];
 #pragma GCC unroll 16
-    for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(blk.x[j] + k);
-    if ((k & 31) == 0) {
+    for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x[j] + k);
+    if (prefetch && k % line == 0) {
 #pragma GCC unroll 16
-      for (int i = 0; i < NB; ++i) _mm_prefetch(reinterpret_cast<const char*>(blk.w[i] + k + NB * p.K), _MM_HINT_T0);
+      for (int i = 0; i < NB; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + k + NB * K), _MM_HINT_T0);
     }
 #pragma GCC unroll 16
     for (int i = 0; i < NB; ++i) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.w[i] + k));
-      const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+      const __m256 wv = load8(w[i] + k);
 #pragma GCC unroll 16
       for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
     }
   }
+}
+
+template <int NB, int MB>
+DS_AVX2 void block_avx2(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
+  const Block<NB, MB> blk(p, n, nb, m, mb);
+  __m256 acc[NB][MB];
+  dot8<uint16_t, NB, MB>(blk.w, blk.x, p.K, true, acc);
+  const int64_t k_done = p.K / 8 * 8;
   float sums[NB][MB];
 #pragma GCC unroll 16
   for (int i = 0; i < NB; ++i)
@@ -358,32 +376,64 @@ bool has_avx512_bf16() {
   return has_avx512() && __builtin_cpu_supports("avx512bf16");
 }
 
+// What linear_bf16 and linear_fp32 take and give alike: x [..., K] and w [N, K] (contiguous) of `dtype` on the CPU,
+// b [N] of `dtype` or none -> x read as a contiguous [M, K], b contiguous (undefined if none), y [..., N] to write.
+struct Operands {
+  torch::Tensor x, b, y;
+  int64_t M, K, N;
+};
+
+Operands operands(const char* fn, at::ScalarType dtype, const torch::Tensor& x, const torch::Tensor& w,
+                  const c10::optional<torch::Tensor>& b) {
+  const char* type = dtype == at::kFloat ? "fp32" : "bf16";
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), fn, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == dtype && w.scalar_type() == dtype, fn, ": ", type, " only");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), fn, ": weight must be a contiguous [N, K] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, fn, ": input's last dimension must be ", K);
+  TORCH_CHECK(K > 0, fn, ": the weight has no columns");
+  Operands o;
+  if (b.has_value()) {
+    o.b = b->contiguous();
+    TORCH_CHECK(o.b.scalar_type() == dtype && o.b.numel() == N, fn, ": bias must be ", type, " [N]");
+  }
+  o.x = x.is_contiguous() ? x : x.contiguous();
+  o.M = o.x.numel() / K;
+  o.K = K;
+  o.N = N;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  o.y = torch::empty(shape, x.options());  // written as [M, N]
+  return o;
+}
+
+// Whether a routed call runs on the kernel: no grad mode, x of `dtype` on the CPU with 1..max_rows rows, w and b as
+// `operands` takes them (else the caller runs F.linear). One C++ call instead of the checks in Python: a decode step
+// makes hundreds of these calls.
+bool routable(at::ScalarType dtype, const torch::Tensor& x, const torch::Tensor& w,
+              const c10::optional<torch::Tensor>& b, int64_t max_rows) {
+  if (at::GradMode::is_enabled() || !x.device().is_cpu() || x.scalar_type() != dtype || x.dim() < 1) return false;
+  const int64_t numel = x.numel(), K = x.size(-1);
+  if (numel == 0 || numel > max_rows * K || !w.device().is_cpu() || w.scalar_type() != dtype || w.dim() != 2 ||
+      !w.is_contiguous() || w.size(1) != K) {
+    return false;
+  }
+  return !b.has_value() || (b->device().is_cpu() && b->scalar_type() == dtype && b->numel() == w.size(0));
+}
+
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
                           bool use_amx, bool use_avx512, bool use_dp) {
   static const bool cpu_avx512 = has_avx512();
   static const bool cpu_dp = has_avx512_bf16();
   const bool avx512 = use_avx512 && cpu_avx512;
   const bool dp = use_dp && avx512 && cpu_dp;
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_bf16: weight must be a contiguous [N, K] matrix");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_bf16: input's last dimension must be ", K);
-  TORCH_CHECK(K > 0, "linear_bf16: the weight has no columns");
-  torch::Tensor bias;
-  if (b.has_value()) {
-    bias = b->contiguous();
-    TORCH_CHECK(bias.scalar_type() == at::kBFloat16 && bias.numel() == N, "linear_bf16: bias must be bf16 [N]");
-  }
-  const torch::Tensor x2 = x.is_contiguous() ? x : x.contiguous();  // read as [M, K]
-  const int64_t M = x2.numel() / K;
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = N;
-  torch::Tensor y = torch::empty(shape, x.options());  // written as [M, N]
-  const uint16_t* bp = bias.defined() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
+  const Operands o = operands("linear_bf16", at::kBFloat16, x, w, b);
+  const int64_t M = o.M, K = o.K, N = o.N;
+  const torch::Tensor& y = o.y;
+  const uint16_t* bp = o.b.defined() ? reinterpret_cast<const uint16_t*>(o.b.data_ptr()) : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(o.x.data_ptr());
   if (M == 0) return y;
 
   int64_t fma_from = 0;  // weight rows [fma_from, N) run on the vector path (AVX-512 or AVX2)
@@ -449,8 +499,6 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
 // (horizontal adds) into one vector store, since they are neighbours in y. Only the summation order differs from
 // stock fp32, as it does between a one-row and a K-row forward.
 
-#define DS_FP32 __attribute__((target("avx2,fma")))
-
 struct ProblemF32 {
   const float* x;  // [M, K]
   int64_t M, K;
@@ -462,7 +510,7 @@ struct ProblemF32 {
 
 // y[m .. m+mb, n .. n+nb] from weight rows n.. (nb <= NB) and input rows m.. (mb == MB: block_fp32_rows picks MB)
 template <int NB, int MB>
-DS_FP32 void block_fp32(const ProblemF32& p, int64_t n, int64_t nb, int64_t m, bool prefetch) {
+DS_AVX2 void block_fp32(const ProblemF32& p, int64_t n, int64_t nb, int64_t m, bool prefetch) {
   const float* w[NB];
   const float* x[MB];
 #pragma GCC unroll 16
@@ -470,26 +518,8 @@ DS_FP32 void block_fp32(const ProblemF32& p, int64_t n, int64_t nb, int64_t m, b
 #pragma GCC unroll 16
   for (int j = 0; j < MB; ++j) x[j] = p.x + (m + j) * p.K;
   __m256 acc[NB][MB];
-#pragma GCC unroll 16
-  for (int i = 0; i < NB; ++i)
-#pragma GCC unroll 16
-    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  dot8<float, NB, MB>(w, x, p.K, prefetch, acc);  // prefetch: the first block of input rows only
   const int64_t k_done = p.K / 8 * 8;
-  for (int64_t k = 0; k < k_done; k += 8) {
-    __m256 xv[MB];
-#pragma GCC unroll 16
-    for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x[j] + k);
-    if (prefetch && (k & 15) == 0) {  // the first block of input rows: the next weight rows' line (see the top)
-#pragma GCC unroll 16
-      for (int i = 0; i < NB; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + k + NB * p.K), _MM_HINT_T0);
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < NB; ++i) {
-      const __m256 wv = _mm256_loadu_ps(w[i] + k);
-#pragma GCC unroll 16
-      for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
-    }
-  }
   if (nb == NB && k_done == p.K && (NB == 4 || NB == 8)) {  // whole block, no tail: vector reduction and store
     if constexpr (NB == 4) {
       const __m128 bias = p.b ? _mm_loadu_ps(p.b + n) : _mm_setzero_ps();
@@ -528,7 +558,7 @@ DS_FP32 void block_fp32(const ProblemF32& p, int64_t n, int64_t nb, int64_t m, b
 
 // block_fp32<NB, mb> for a run-time mb <= MB: each remainder its own registers, no repeated rows
 template <int NB, int MB>
-DS_FP32 void block_fp32_rows(const ProblemF32& p, int64_t n, int64_t nb, int64_t m, int64_t mb, bool prefetch) {
+DS_AVX2 void block_fp32_rows(const ProblemF32& p, int64_t n, int64_t nb, int64_t m, int64_t mb, bool prefetch) {
   if constexpr (MB > 1) {
     if (mb < MB) return block_fp32_rows<NB, MB - 1>(p, n, nb, m, mb, prefetch);
   }
@@ -544,69 +574,34 @@ void rows_fp32(const ProblemF32& p, int64_t n0, int64_t n1) {
 }
 
 torch::Tensor linear_fp32(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_fp32: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear_fp32: fp32 only");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_fp32: weight must be a contiguous [N, K] matrix");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_fp32: input's last dimension must be ", K);
-  TORCH_CHECK(K > 0, "linear_fp32: the weight has no columns");
-  torch::Tensor bias;
-  if (b.has_value()) {
-    bias = b->contiguous();
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "linear_fp32: bias must be fp32 [N]");
-  }
-  const torch::Tensor x2 = x.is_contiguous() ? x : x.contiguous();  // read as [M, K]
-  const int64_t M = x2.numel() / K;
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = N;
-  torch::Tensor y = torch::empty(shape, x.options());  // written as [M, N]
-  if (M == 0) return y;
-  const ProblemF32 p{x2.data_ptr<float>(), M, K, w.data_ptr<float>(),
-                     bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
+  const Operands o = operands("linear_fp32", at::kFloat, x, w, b);
+  const int64_t M = o.M, N = o.N;
+  if (M == 0) return o.y;
+  const ProblemF32 p{o.x.data_ptr<float>(), M, o.K, w.data_ptr<float>(),
+                     o.b.defined() ? o.b.data_ptr<float>() : nullptr, o.y.data_ptr<float>(), N};
   constexpr int64_t kChunk = 24;  // weight rows per parallel task: a multiple of every NB below
   at::parallel_for(0, (N + kChunk - 1) / kChunk, 4, [&](int64_t s, int64_t e) {
     const int64_t n0 = s * kChunk, n1 = std::min(e * kChunk, N);
     if (M == 1) rows_fp32<8, 1>(p, n0, n1);
     else rows_fp32<4, 3>(p, n0, n1);
   });
-  return y;
+  return o.y;
 }
 
-// linear_fp32 where it applies (no grad mode, x fp32 on the CPU with 1..max_rows rows, w and b as it takes them),
-// else None for the caller's F.linear; one C++ call, as linear_bf16_routed.
+// The routed call of an fp32 nn.Linear in a decode step: linear_fp32 where it applies (`routable`), else None for
+// the caller's F.linear.
 c10::optional<torch::Tensor> linear_fp32_routed(const torch::Tensor& x, const torch::Tensor& w,
                                                 const c10::optional<torch::Tensor>& b, int64_t max_rows) {
-  if (at::GradMode::is_enabled() || !x.device().is_cpu() || x.scalar_type() != at::kFloat || x.dim() < 1) {
-    return c10::nullopt;
-  }
-  const int64_t numel = x.numel(), K = x.size(-1);
-  if (numel == 0 || numel > max_rows * K || !w.device().is_cpu() || w.scalar_type() != at::kFloat ||
-      w.dim() != 2 || !w.is_contiguous() || w.size(1) != K) {
-    return c10::nullopt;
-  }
-  if (b.has_value() && (!b->device().is_cpu() || b->scalar_type() != at::kFloat || b->numel() != w.size(0))) {
-    return c10::nullopt;
-  }
+  if (!routable(at::kFloat, x, w, b, max_rows)) return c10::nullopt;
   return linear_fp32(x, w, b);
 }
 
-// The routed call of an nn.Linear in a decode step: the product through the kernel when it applies (no grad mode, x
-// bf16 on the CPU with 1..max_rows rows, w and b as linear_bf16 takes them), else None for the caller's F.linear.
-// One C++ call instead of the checks in Python: a decode step makes hundreds of these calls.
+// The routed call of a bf16 nn.Linear in a decode step: linear_bf16 (AVX-512 where the CPU has it) where it applies
+// (`routable`), else None for the caller's F.linear.
 c10::optional<torch::Tensor> linear_bf16_routed(const torch::Tensor& x, const torch::Tensor& w,
                                                 const c10::optional<torch::Tensor>& b, int64_t max_rows,
                                                 bool use_amx, bool use_dp) {
-  if (at::GradMode::is_enabled() || !x.device().is_cpu() || x.scalar_type() != at::kBFloat16 || x.dim() < 1) {
-    return c10::nullopt;
-  }
-  const int64_t numel = x.numel(), K = x.size(-1);
-  if (numel == 0 || numel > max_rows * K || !w.device().is_cpu() || w.scalar_type() != at::kBFloat16 ||
-      w.dim() != 2 || !w.is_contiguous() || w.size(1) != K) {
-    return c10::nullopt;
-  }
-  if (b.has_value() && (!b->device().is_cpu() || b->scalar_type() != at::kBFloat16 || b->numel() != w.size(0))) {
-    return c10::nullopt;
-  }
+  if (!routable(at::kBFloat16, x, w, b, max_rows)) return c10::nullopt;
   return linear_bf16(x, w, b, use_amx, true, use_dp);
 }
 
