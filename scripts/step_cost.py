@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         row = (f"| {k} | {ms:.1f} | {ms / cost.ms(0):.2f} | {cost.break_even(k):.2f} |" if k else
                f"| 0 (plain) | {ms:.1f} | 1.00 | |")
         say(row + ("" if stock is None else f" {stock.ms(k):.1f} | {ms / stock.ms(k):.2f} |"))
-    say(f"\none drafted node costs {cost.node_cost():.3f} plain steps (least squares): prompt lookup's "
-        f"--drafter-option node_cost={cost.node_cost():.3f}")
+    node_cost = cost.node_cost()
+    say(f"\none drafted node costs {node_cost:.3f} plain steps (least squares): prompt lookup's "
+        f"--drafter-option node_cost={node_cost:.3f}")
     say()
     print(cost, flush=True)
     return 0

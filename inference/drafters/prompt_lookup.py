@@ -158,30 +158,35 @@ class PromptLookupDrafter:
         """Accepted drafts the datastore expects of the nodes a row drafts from `found` (its sources, taking turns for
         `num_draft` nodes): the sum of their scores, a chain node's being the datastore's score of its path. The
         chain is scored only when the tree's nodes alone fall short of `min_expected` (its scores only add)."""
-        score = dict(scored)
         taken = taken_nodes(found, self.num_draft)
-        from_tree = sum(score.get(path, 0.0) for path in taken)
+        from_tree = sum(dict(scored).get(path, 0.0) for path in taken)
         if from_tree >= self.min_expected or not chain:
             return from_tree
+        score = self.scores(index, chain, scored)
+        return sum(score.get(path, 0.0) for path in taken)
+
+    def scores(self, index: NgramIndex, chain: list[int], scored: list[tuple[tuple[int, ...], float]]
+               ) -> dict[tuple[int, ...], float]:
+        """Each node of the chain and the tree -> its score: the tree's own, a chain node's the datastore's score of
+        its path, a node both draft the larger."""
+        score = dict(scored)
         for path, value in zip(chain_nodes(chain), self.datastore.path_scores(index.tokens, chain, index.counts)):
             score[path] = max(value, score.get(path, 0.0))
-        return sum(score.get(path, 0.0) for path in taken)
+        return score
 
     def sized(self, index: NgramIndex, chain: list[int], scored: list[tuple[tuple[int, ...], float]]
               ) -> list[list[tuple[int, ...]]]:
         """One row's nodes sized by `node_cost`: the chain's and the tree's nodes (a node both draft scored by the
         larger) ranked by score, shorter first on ties, so that every parent precedes its children; the first k <=
         num_draft of them maximising (1 + their scores' sum) / (1 + node_cost * k), as one source (none for k = 0)."""
-        score = dict(scored)
-        if chain:
-            for path, value in zip(chain_nodes(chain), self.datastore.path_scores(index.tokens, chain, index.counts)):
-                score[path] = max(value, score.get(path, 0.0))
+        score = self.scores(index, chain, scored) if chain else dict(scored)
         ranked = sorted(score.items(), key=lambda item: (-item[1], len(item[0])))[: self.num_draft]
         best_k, best, expected = 0, 1.0, 0.0  # k = 0: a plain step, one token for one step's cost
         for k, (_, value) in enumerate(ranked, 1):
             expected += value
-            if (1 + expected) / (1 + self.node_cost * k) > best:
-                best_k, best = k, (1 + expected) / (1 + self.node_cost * k)
+            gain = (1 + expected) / (1 + self.node_cost * k)  # tokens per plain step's cost
+            if gain > best:
+                best_k, best = k, gain
         return [[path for path, _ in ranked[:best_k]]] if best_k else []
 
     def propose(self, state: DecodeState) -> Draft:

@@ -73,7 +73,7 @@ class StepCost:
     def node_cost(self) -> float:
         """The cost of one drafted node in plain steps, c in t(k) / t(0) ~ 1 + c k: the least-squares slope through
         the origin over the measured points with k >= 1 (prompt lookup's `node_cost`); 0 without such points."""
-        drafted = [(k, ms / self.ms(0) - 1) for k, ms in self.points if k]
+        drafted = [(k, self.break_even(k)) for k, _ in self.points if k]
         return max(0.0, sum(k * y for k, y in drafted) / sum(k * k for k, _ in drafted)) if drafted else 0.0
 
     def break_even(self, k: int) -> float:

@@ -81,8 +81,8 @@ def avx512_supported() -> bool:
 
 
 def fp32_route_supported() -> bool:
-    """Whether fp32 layers take the few-row `weight @ x^T` route here: x86 with AVX2 and no AVX-512, where it was
-    measured to win (module docstring)."""
+    """Whether fp32 layers are routed here (the kernel's fp32 blocks, or `weight @ x^T` without the kernel): x86 with
+    AVX2 and no AVX-512, where both were measured to win (module docstring)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
@@ -268,7 +268,7 @@ class KernelLinear(nn.Linear):
         if routing is not None and self.weight.dtype == torch.float32:
             kernel, limit = routing
             limit = min(limit, self.kernel_rows)
-            y = (few_rows_fp32(x, self.weight, self.bias, min(limit, FP32_MM_ROWS)) if kernel is None
+            y = (few_rows_fp32(x, self.weight, self.bias, limit) if kernel is None
                  else kernel.linear_fp32_routed(x, self.weight, self.bias, limit))
             if y is not None:
                 return y
