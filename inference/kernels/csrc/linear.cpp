@@ -68,6 +68,13 @@ struct Problem {
   const uint16_t* xh = nullptr;  // [M, K] the input rows' own bf16 bits (AVX-512-BF16 path)
 };
 
+// rows[i] = the start of row first + i of a [*, K] matrix, for i < N; rows past count - 1 repeat the last one
+template <typename T, int N>
+inline void row_starts(const T* (&rows)[N], const T* base, int64_t first, int64_t count, int64_t K) {
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) rows[i] = base + (first + std::min<int64_t>(i, count - 1)) * K;
+}
+
 // The rows one register block reads and the outputs it writes: y[m .. m+mb, n .. n+nb] (nb <= NB, mb <= MB; missing
 // rows repeat the last one and are not stored).
 template <int NB, int MB>
@@ -77,8 +84,8 @@ struct Block {
   int64_t n, nb, m, mb;
 
   Block(const Problem& p, int64_t n_, int64_t nb_, int64_t m_, int64_t mb_) : n(n_), nb(nb_), m(m_), mb(mb_) {
-    for (int i = 0; i < NB; ++i) w[i] = p.w + (n + std::min<int64_t>(i, nb - 1)) * p.K;
-    for (int j = 0; j < MB; ++j) x[j] = p.x + (m + std::min<int64_t>(j, mb - 1)) * p.K;
+    row_starts(w, p.w, n, nb, p.K);
+    row_starts(x, p.x, m, mb, p.K);
   }
 
   // sums cover k < k_done; a tail the vector loop left (k_done <= k < K) is summed here, then bias, then bf16
@@ -151,10 +158,8 @@ template <int NB, int MB>
 DS_BF16DP void block_bf16dp(const Problem& p, int64_t n, int64_t nb, int64_t m, int64_t mb) {
   const uint16_t* w[NB];
   const uint16_t* x[MB];
-#pragma GCC unroll 16
-  for (int i = 0; i < NB; ++i) w[i] = p.w + (n + std::min<int64_t>(i, nb - 1)) * p.K;
-#pragma GCC unroll 16
-  for (int j = 0; j < MB; ++j) x[j] = p.xh + (m + std::min<int64_t>(j, mb - 1)) * p.K;
+  row_starts(w, p.w, n, nb, p.K);
+  row_starts(x, p.xh, m, mb, p.K);
   __m512 acc[NB][MB];
 #pragma GCC unroll 16
   for (int i = 0; i < NB; ++i)
@@ -513,10 +518,8 @@ template <int NB, int MB>
 DS_AVX2 void block_fp32(const ProblemF32& p, int64_t n, int64_t nb, int64_t m, bool prefetch) {
   const float* w[NB];
   const float* x[MB];
-#pragma GCC unroll 16
-  for (int i = 0; i < NB; ++i) w[i] = p.w + (n + std::min<int64_t>(i, nb - 1)) * p.K;
-#pragma GCC unroll 16
-  for (int j = 0; j < MB; ++j) x[j] = p.x + (m + j) * p.K;
+  row_starts(w, p.w, n, nb, p.K);
+  row_starts(x, p.x, m, MB, p.K);  // all MB rows exist (block_fp32_rows)
   __m256 acc[NB][MB];
   dot8<float, NB, MB>(w, x, p.K, prefetch, acc);  // prefetch: the first block of input rows only
   const int64_t k_done = p.K / 8 * 8;
