@@ -818,12 +818,15 @@ def test_the_lookup_walk_refuses_a_bad_datastore_or_smoothing_before_the_model_l
     assert script.row_name("sharegpt_v3", ("witten_bell", 10.0), args) == "sharegpt_v3 (request ×10)"
     for flag, value, needle in (("--min-expected", "1,-1", "--min-expected takes a comma list of numbers >= 0, got "
                                                            "'1,-1'"),
+                                ("--node-cost", "0.1,0", "--node-cost takes a comma list of numbers > 0, got "
+                                                         "'0.1,0'"),
                                 ("--forward-ms", "1:100,8:200", "--forward-ms: need drafted-node counts ascending "
                                                                 "from 0")):
         with pytest.raises(SystemExit):
             script.main(["--base", "builtin:tiny", "--datastore", good, flag, value])
         assert needle in capsys.readouterr().err
     args = script.parse_args(["--base", "x", "--min-expected", "0,1.5", "--forward-ms", "0:90,8:200"])
-    assert args.thresholds == [0.0, 1.5] and args.costs.ms(4) == pytest.approx(145)
+    assert args.thresholds == [0.0, 1.5] and args.costs.ms(4) == pytest.approx(145) and args.node_costs == []
+    assert script.parse_args(["--base", "x", "--node-cost", "0.07,0.1"]).node_costs == [0.07, 0.1]
     args.weights = [10.0]
     assert script.row_name("sharegpt_v3", ("witten_bell", 10.0), args) == "sharegpt_v3"
