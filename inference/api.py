@@ -270,6 +270,7 @@ def load(
     tokenizer: str | Path | None = None,
     chat_template: str | None = None,
     lookup: int | None = None,
+    lookup_budget: int | None = None,
     datastore: str | Path | Sequence[str | Path] | None = None,
     datastore_grow: int | None = None,
     datastore_smoothing: str | None = None,
@@ -298,9 +299,11 @@ def load(
     only) lets the heads draft only the S tokens most frequent in their training data (the checkpoint's
     token_counts.safetensors): a cheaper projection, the same lossless verification. `lookup=N` (EAGLE-3 and Medusa)
     grafts a prompt-lookup chain of up to N tokens onto every tree the drafter proposes, verified in the same forward
-    (inference.drafters.with_lookup). `datastore` (prompt_lookup, and EAGLE-3 and Medusa with `lookup`) also drafts
-    a tree of the likeliest continuations from a corpus of text: a feature cache folder, a ShareGPT file or folder of
-    the target's answers, or a data recipe's name such as "sharegpt_v3" (its train split's answers), several joined by
+    (inference.drafters.with_lookup); with a datastore, `lookup_budget=M` instead verifies the M likeliest nodes of
+    the drafter's tree and the lookup's together, ranked by the drafter's and the datastore's scores. `datastore`
+    (prompt_lookup, and EAGLE-3 and Medusa with `lookup`) also drafts a tree of the likeliest continuations from a
+    corpus of text: a feature cache folder, a ShareGPT file or folder of the target's answers, or a data recipe's
+    name such as "sharegpt_v3" (its train split's answers), several joined by
     commas or given as a list and indexed together (data.datastore, inference.drafters.datastore).
     `datastore_grow=N` (where `datastore` applies, with a `datastore` or without one) adds every answer the engine
     serves to the datastore, keeping about the latest N tokens of them, so later requests draft from earlier answers
@@ -313,7 +316,8 @@ def load(
     and the datastore loaded, before the model loads."""
     request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
     options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
-                          datastore=datastore, datastore_grow=datastore_grow, datastore_smoothing=datastore_smoothing,
+                          lookup_budget=lookup_budget, datastore=datastore, datastore_grow=datastore_grow,
+                          datastore_smoothing=datastore_smoothing,
                           datastore_request_weight=datastore_request_weight)
     request.check(options, API)
     if device_map is not None and tp_plan is not None:

@@ -77,6 +77,10 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
     p.add_argument("--lookup", type=int, metavar="N",
                    help="EAGLE-3 and Medusa: also verify a prompt-lookup chain of up to N tokens each step (what "
                         "followed the latest earlier occurrence of the context's last tokens), grafted onto the tree")
+    p.add_argument("--lookup-budget", type=int, metavar="M",
+                   help="with --lookup and --datastore: verify the M likeliest nodes of the drafter's tree and the "
+                        "lookup's together, ranked by the drafter's path probabilities and the datastore's scores "
+                        "(instead of all of both)")
     p.add_argument("--datastore", metavar="SOURCE[,SOURCE...]",
                    help="prompt_lookup, and EAGLE-3 and Medusa with --lookup: also draft a tree of the likeliest "
                         "continuations from a corpus: a feature cache folder (its trained tokens), a ShareGPT file or "
@@ -151,8 +155,8 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
     options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab,
-                          lookup=args.lookup, datastore=args.datastore, datastore_grow=args.datastore_grow,
-                          datastore_smoothing=args.datastore_smoothing,
+                          lookup=args.lookup, lookup_budget=args.lookup_budget, datastore=args.datastore,
+                          datastore_grow=args.datastore_grow, datastore_smoothing=args.datastore_smoothing,
                           datastore_request_weight=args.datastore_request_weight)
     request.check(options, CLI)
     base = model_settings(request.base).ref if request.base else None
@@ -206,8 +210,9 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
             quantization=None if args.quantization == "none" else args.quantization,
             device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
             head_vocab=args.head_vocab, tokenizer=args.tokenizer, chat_template=args.chat_template,
-            lookup=args.lookup, datastore=args.datastore, datastore_grow=args.datastore_grow,
-            datastore_smoothing=args.datastore_smoothing, datastore_request_weight=args.datastore_request_weight,
+            lookup=args.lookup, lookup_budget=args.lookup_budget, datastore=args.datastore,
+            datastore_grow=args.datastore_grow, datastore_smoothing=args.datastore_smoothing,
+            datastore_request_weight=args.datastore_request_weight,
         )
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)
     return Session(engine, engine.tokenizer, engine.chat_template, request.base, name, config, target)

@@ -204,6 +204,23 @@ def test_dynamic_tree_drafts_what_the_static_tree_of_its_shape_drafts(spec):
         assert grown.tree.max_depth > 2  # a confident draft's paths go deeper than a full tree of 12 nodes would
 
 
+def test_drafts_score_each_path_by_its_draft_probability():
+    """Draft.scores: the root 1, a node the product of the draft's probabilities along its path (so at most its
+    parent's), siblings in rank order; the static and the grown tree of one shape score each node alike."""
+    model = build_tiny_lm("llama")
+    spec = DynamicTree(num_nodes=10, depth=3, topk=3)
+    grown = first_draft(model, spec, sharpness=4.0)
+    static = first_draft(model, build_tree(grown.tree.choices, num_heads=spec.depth, topk=spec.topk), sharpness=4.0)
+    for draft in (grown, static):
+        scores, parent = draft.scores, draft.tree.parent
+        assert scores.shape == draft.tokens.shape and torch.all(scores[:, 0] == 1)
+        assert torch.all(scores[:, 1:] <= scores[:, parent[1:]] + 1e-12) and torch.all(scores > 0)
+        depth1 = [k + 1 for k, path in enumerate(draft.tree.choices) if len(path) == 1]  # rank order
+        assert torch.all(scores[:, depth1[:-1]] >= scores[:, depth1[1:]])
+        assert scores[:, depth1].sum(-1).max() <= 1 + 1e-9  # probabilities of distinct tokens
+    assert torch.allclose(grown.scores, static.scores, rtol=1e-9)
+
+
 def test_dynamic_tree_of_one_level_keeps_the_best_children_in_rank_order():
     model = build_tiny_lm("llama")
     assert first_draft(model, DynamicTree(num_nodes=4, depth=1, topk=5)).tree.choices == ((0,), (1,), (2,))

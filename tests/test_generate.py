@@ -147,6 +147,23 @@ def test_medusa_candidates_are_the_heads_top_k(tiny_lm_factory, shared):
         assert drafter.stacked.projection.dtype == torch.float64 and drafter.stacked.weights[0].dtype == torch.float64
 
 
+def test_medusa_scores_a_path_by_its_heads_probabilities(tiny_lm):
+    """Draft.scores of Medusa: each node's head probability of its candidate, multiplied along the path."""
+    heads = random_heads(2, tiny_lm, seed=5)
+    tree = build_tree([(0,), (1,), (0, 0), (1, 1)], num_heads=2, topk=2)
+    drafter = MedusaDrafter(heads, tree)
+    hidden = torch.randn(2, 32)
+    probs = heads(hidden[:, None].float())[:, :, 0].softmax(-1)  # [H, B, V]
+    ids, logp = drafter.scored_candidates(hidden)
+    assert torch.equal(ids, drafter.candidates(hidden))
+    table = ids.view(2, 2, tree.topk)  # [B, H, R]
+    p = lambda b, head, rank: probs[head, b, table[b, head, rank]].item()  # noqa: E731
+    scores = drafter.path_scores(logp)
+    for b in range(2):
+        expected = [1.0, p(b, 0, 0), p(b, 0, 1), p(b, 0, 0) * p(b, 1, 0), p(b, 0, 1) * p(b, 1, 1)]
+        assert scores[b].tolist() == pytest.approx(expected, rel=1e-5)
+
+
 def test_batched_left_padded_greedy_equals_per_row(tiny_lm):
     prompts = random_prompts(4, 5, low=1, high=9)
     references = [plain_greedy(tiny_lm, p, 18) for p in prompts]

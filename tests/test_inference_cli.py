@@ -197,7 +197,8 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
                                   "datastore_grow_lookup", "datastore_grow_build_tree", "datastore_smoothing",
                                   "datastore_smoothing_alone", "datastore_request_weight",
                                   "datastore_request_weight_alone", "min_expected", "min_expected_alone",
-                                  "node_cost", "node_cost_with_min_expected"])
+                                  "node_cost", "node_cost_with_min_expected", "lookup_budget",
+                                  "lookup_budget_alone", "lookup_budget_build_tree"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -260,6 +261,12 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
         "node_cost_with_min_expected": (("generate", "--drafter", "prompt_lookup", "--drafter-option", "node_cost=0.1",
                                          "--drafter-option", "min_expected=1", "--base", assets["model"], "--prompt",
                                          "x", "--datastore-grow", "100"), "min_expected and node_cost both decide"),
+        "lookup_budget": ((*gen, "--prompt", "x", "--lookup", "4", "--datastore-grow", "100", "--lookup-budget", "0"),
+                          "--lookup-budget must be a whole number of nodes in [1, 256], got 0"),
+        "lookup_budget_alone": ((*gen, "--prompt", "x", "--lookup", "4", "--lookup-budget", "8"),
+                                "--lookup-budget needs --lookup and --datastore"),
+        "lookup_budget_build_tree": (("build-tree", "--drafter", assets["ckpt"], "--lookup-budget", "8"),
+                                     "--lookup-budget does not apply to build-tree"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from data.errors import UsageError
 from inference.api import load
+from inference.drafters.datastore import Datastore
 from inference.drafters.eagle3 import Eagle3Drafter
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.registry import LoadOptions, resolve
@@ -129,3 +130,82 @@ def test_load_grafts_the_chain_and_checks_the_option(tmp_path):
     for bad in (0, 65, 2.5, True):
         with pytest.raises(UsageError, match=r"lookup= must be a whole number of tokens in \[1, 64\]"):
             resolve(str(path)).check(LoadOptions(lookup=bad))
+
+
+# --- a node budget over both sources, ranked by score -----------------------------------------------------------------
+
+def test_a_budget_keeps_the_likeliest_nodes_of_both_sources():
+    """Row 0: the inner tree's nodes a (5) 0.5, b (6) 0.2, c (5 7) 0.3 and the lookup's 5 0.4 (the larger, the
+    drafter's 0.5, counts), 5 7 0.35 (c again: 0.35 counts), 5 7 8 0.35, 9 0.25: a budget of 4 keeps a, c, 5 7 8 (a
+    tie: the parent first), then 9 (0.25 beats b's 0.2). Row 1 shares the shape: its own ranking fills it in turn."""
+    scores = torch.tensor([[1.0, 0.5, 0.2, 0.3], [1.0, 0.9, 0.05, 0.8]])
+    inner = FixedDrafter([[2, 5, 6, 7], [4, 20, 21, 22]])
+    inner.propose = lambda state, base=inner.propose: Draft(tree=INNER, tokens=base(state).tokens, scores=scores)
+    drafter = WithLookup(inner, num_draft=3, datastore=Datastore([[1]]), budget=4)
+    drafter.lookup.scored_nodes = lambda state: [{(5,): 0.4, (5, 7): 0.35, (5, 7, 8): 0.35, (9,): 0.25}, {}]
+    draft = drafter.propose(state_of([[1, 2, 3], [3, 4, 5]], roots=[2, 4]))
+    # row 0 ranks a, c, 5 7 8, 9, b; row 1 ranks 20, 22 (under 20), 21: taking turns, the union of 4 paths is
+    # (0,) a, (0, 0) c / 22, (0, 0, 0) 8, and (1,) 9 for row 0 (row 1's 21 comes after the cap)
+    assert draft.tree.choices == ((0,), (1,), (0, 0), (0, 0, 0))
+    assert draft.tokens.tolist() == [[2, 5, 9, 7, 8], [4, 20, 21, 22, 22]]
+    with pytest.raises(ValueError, match="budget ranks the datastore's scores, so it needs a datastore"):
+        WithLookup(inner, budget=4)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="whole number of nodes >= 1"):
+            WithLookup(inner, datastore=Datastore([[1]]), budget=bad)
+    unscored = WithLookup(FixedDrafter([[2, 5, 6, 7]]), datastore=Datastore([[1]]), budget=4)
+    with pytest.raises(ValueError, match="the inner drafter does not score its nodes"):
+        unscored.propose(state_of([[1, 2, 3]], roots=[2]))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_a_budget_decodes_exactly_within_its_node_count(tiny_lm, kind):
+    """Batched, left-padded, fp32, a datastore of the target's own answers: with a budget the output equals plain
+    greedy decoding, no step verifies more than budget + 1 nodes, and the pool verifies more a step than the drafter's
+    own tree (a random drafter's: the datastore's nodes win the budget)."""
+    prompts, others = repetitive_prompts(11, 3), repetitive_prompts(12, 6)
+    ids, mask = left_pad(prompts)
+    config = DecodeConfig(max_new_tokens=20)
+    plain = generate(tiny_lm, ids, None, config, attention_mask=mask).sequences
+    other_ids, other_mask = left_pad(others)
+    store = Datastore(generate(tiny_lm, other_ids, None, config, attention_mask=other_mask).sequences + plain[:1])
+    tree = build_tree([(0,), (1,), (0, 0)], num_heads=2, topk=2)
+    inner = (Eagle3Drafter(random_draft(), tree, tiny_lm.get_input_embeddings()) if kind == "eagle3"
+             else MedusaDrafter(random_heads(2, tiny_lm, seed=3), tree))
+    drafter = WithLookup(inner, num_draft=6, datastore=store, budget=4)
+    sizes, propose = [], drafter.propose
+
+    def recorded(state):
+        draft = propose(state)
+        sizes.append(draft.tree.num_nodes)
+        return draft
+
+    drafter.propose = recorded
+    out = generate(tiny_lm, ids, drafter, config, attention_mask=mask)
+    alone = generate(tiny_lm, ids, inner, config, attention_mask=mask)
+    assert out.sequences == plain
+    assert max(sizes) <= 5 and out.stats.mean_accepted > alone.stats.mean_accepted + 0.2, (
+        sizes, alone.stats.mean_accepted, out.stats.mean_accepted)
+
+
+def test_load_takes_a_budget_with_lookup_and_a_datastore_and_refuses_it_otherwise(tmp_path):
+    target, path = tmp_path / "target", tmp_path / "eagle3"
+    build_tiny_lm("llama").save_pretrained(target)
+    save_eagle3(path, random_draft(), str(target))
+    request = resolve(str(path))
+    request.check(LoadOptions(lookup=4, lookup_budget=8, datastore_grow=100))
+    for options, needle in [
+        (LoadOptions(lookup=4, lookup_budget=8), "lookup_budget needs lookup and datastore"),
+        (LoadOptions(lookup_budget=8, datastore_grow=100), "lookup_budget needs lookup and datastore"),
+        (LoadOptions(lookup=4, lookup_budget=0, datastore_grow=100), r"whole number of nodes in \[1, 256\]"),
+        (LoadOptions(lookup=4, lookup_budget=True, datastore_grow=100), r"whole number of nodes in \[1, 256\]"),
+    ]:
+        with pytest.raises(UsageError, match=needle):
+            request.check(options)
+    with pytest.raises(UsageError, match="lookup_budget= does not apply to drafter 'prompt_lookup'"):
+        resolve("prompt_lookup", base=str(target)).check(LoadOptions(lookup_budget=8, datastore_grow=100))
+    engine = load(path, dtype="fp32", lookup=4, lookup_budget=6, datastore_grow=1000)
+    assert engine.drafter.budget == 6
+    prompt = repetitive_prompts(5, 1)[0]
+    plain = load(None, base=str(target), dtype="fp32").generate(prompt, max_new_tokens=16).sequences
+    assert engine.generate(prompt, max_new_tokens=16).sequences == plain

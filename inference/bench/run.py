@@ -236,7 +236,7 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
         "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base,
         "drafter": session.drafter_name, "head_vocab": args.head_vocab, "lookup": args.lookup,
-        "datastore": args.datastore, "datastore_grow": args.datastore_grow,
+        "lookup_budget": args.lookup_budget, "datastore": args.datastore, "datastore_grow": args.datastore_grow,
         "datastore_smoothing": args.datastore_smoothing, "datastore_request_weight": args.datastore_request_weight,
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),

@@ -320,7 +320,8 @@ def run_build_tree(args: argparse.Namespace) -> int:
             raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.max_nodes < 2:
         raise UsageError("--max-nodes must be >= 2 (the root and at least one draft)")
-    for flag in ("lookup", "datastore", "datastore_grow", "datastore_smoothing", "datastore_request_weight"):
+    for flag in ("lookup", "lookup_budget", "datastore", "datastore_grow", "datastore_smoothing",
+                 "datastore_request_weight"):
         if getattr(args, flag) is not None:
             name = "--" + flag.replace("_", "-")
             raise UsageError(f"{name} does not apply to build-tree: it fits the drafter's own tree; pass {name} "

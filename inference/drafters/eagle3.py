@@ -250,15 +250,20 @@ class Eagle3Drafter:
             return self.grow_dynamic(state, run, outputs)
         tokens = state.root.new_zeros(b, self.tree.num_nodes)
         tokens[:, 0] = state.root
+        path_logp = outputs.new_zeros(b, self.tree.num_nodes, dtype=torch.float32)  # [B, K] log q of each node's path
         for d, level in enumerate(self.levels):
             if d > 0:
                 hidden = outputs[:, level.parent_query]  # [B, Q, D] each query's parent's output
                 positions = (state.next_pos + d - 1)[:, None].expand(b, len(level.queries))
                 outputs = self._level(run, hidden, tokens[:, level.queries], positions, level.visible)
-            top = self.draft.logits(outputs).topk(self.tree.topk, dim=-1).indices  # [B, Q, R]
+            logits = self.draft.logits(outputs)  # [B, Q, S]
+            top = logits.topk(self.tree.topk, dim=-1).indices  # [B, Q, R]
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, top)  # [B, Q, R]
             picked = top[:, level.child_query, level.child_rank]  # [B, C]
             tokens[:, level.children] = self.vocab[picked]
-        return Draft(tree=self.tree, tokens=tokens)
+            parents = self.tree.parent[level.children]  # [C], filled at the level before
+            path_logp[:, level.children] = path_logp[:, parents] + logp[:, level.child_query, level.child_rank]
+        return Draft(tree=self.tree, tokens=tokens, scores=path_logp.exp())
 
     def grow_dynamic(self, state: DecodeState, run: DraftRun, root: torch.Tensor) -> Draft:
         """EAGLE-2's tree from the root's draft output `root` [B, 1, D]: expand the best `topk` of the newest level
@@ -290,7 +295,9 @@ class Eagle3Drafter:
         tree = build_tree([found.paths[i] for i in kept], MAX_DEPTH, MAX_RANK, root.device, source="eagle3 dynamic")
         index = {found.paths[i]: i for i in kept}
         drafted = [found.tokens[index[path]] for path in tree.choices]  # node order
-        return Draft(tree=tree, tokens=torch.stack([state.root.to(root.device), *drafted], dim=1))
+        logp = [found.logp[index[path]] for path in tree.choices]
+        scores = torch.stack([torch.zeros_like(logp[0]), *logp], dim=1).exp() if logp else None  # [B, K]
+        return Draft(tree=tree, tokens=torch.stack([state.root.to(root.device), *drafted], dim=1), scores=scores)
 
     def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best draft tokens of each output [B, Q, D]: (log-probabilities [B, Q, k] float32, target ids)."""

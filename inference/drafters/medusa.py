@@ -68,6 +68,11 @@ class MedusaDrafter:
     def candidates(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, D] -> top-R token ids of each head the tree uses, [B, H * R] head-major, on the heads' device
         (the lm_head's, for a target split by device_map; the hidden state is moved there)."""
+        return self.scored_candidates(hidden)[0]
+
+    def scored_candidates(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`candidates` and each one's log-probability under its head (over the heads' vocabulary or shortlist),
+        [B, H * R] float32."""
         param = next(self.heads.parameters(), None)  # absent for shared-lm_head heads without residual blocks
         h = hidden if param is None else hidden.to(param.device, param.dtype)
         used = self.heads.heads[: self.tree.max_depth]
@@ -89,9 +94,11 @@ class MedusaDrafter:
             if self.select_columns:
                 logits = logits.index_select(-1, self._vocab_on(logits.device))  # [H, B, S]
         top = logits.topk(self.tree.topk, dim=-1).indices  # [H, B, R], positions in V or in the shortlist
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, top)  # [H, B, R]
         if self.vocab is not None:
             top = self._vocab_on(top.device)[top]  # shortlist positions -> token ids
-        return top.permute(1, 0, 2).reshape(hidden.shape[0], -1)
+        b = hidden.shape[0]
+        return top.permute(1, 0, 2).reshape(b, -1), logp.permute(1, 0, 2).reshape(b, -1)
 
     def _vocab_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._vocab_copies:
@@ -117,9 +124,16 @@ class MedusaDrafter:
             raise ValueError("MedusaDrafter needs state.hidden (the loop fills it when needs_hidden is True)")
         if self.tree.num_nodes == 1:
             return Draft(tree=self.tree, tokens=state.root[:, None])
-        table = self.candidates(state.hidden).to(state.root.device)  # [B, H * R]
-        tokens = torch.cat([state.root[:, None], table[:, self.tree.candidate_index]], dim=1)  # [B, K]
-        return Draft(tree=self.tree, tokens=tokens)
+        table, logp = self.scored_candidates(state.hidden)  # [B, H * R] each
+        tokens = torch.cat([state.root[:, None], table.to(state.root.device)[:, self.tree.candidate_index]], dim=1)
+        return Draft(tree=self.tree, tokens=tokens, scores=self.path_scores(logp.to(state.root.device)))
+
+    def path_scores(self, logp: torch.Tensor) -> torch.Tensor:
+        """[B, H * R] log-probabilities of the heads' candidates -> [B, K] each node's path probability: the product of
+        its heads' probabilities along the path (the heads guess each position alone, so a rough estimate)."""
+        node = torch.cat([logp.new_zeros(logp.shape[0], 1), logp[:, self.tree.candidate_index]], dim=1)  # [B, K]
+        path = self.tree.node_path.clamp(min=0)  # [K, L]; padding -> the root, whose log-probability is 0
+        return node[:, path].sum(-1).exp()
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         """Stateless between steps: the heads read only `state.hidden`, which the loop refreshes."""

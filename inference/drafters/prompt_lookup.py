@@ -122,14 +122,29 @@ class PromptLookupDrafter:
         self._trees = TreeCache()
 
     def sources(self, state: DecodeState) -> list[list[list[tuple[int, ...]]]]:
-        """Each row's draft sources in priority order (`row_sources`), none for a row without a match; starts the
-        run's state on the first step."""
-        if state.drafter_state is None:  # first step of a generation
+        """Each row's draft sources in priority order (`row_sources`), none for a row without a match."""
+        return [self.row_sources(index) for index in self.indexes(state)]
+
+    def scored_nodes(self, state: DecodeState) -> list[dict[tuple[int, ...], float]]:
+        """Each row's chain and datastore-tree nodes (token paths from the root) -> the datastore's score of each, its
+        estimate that the target accepts the path (`scores`); needs a datastore. Empty for a row without a match."""
+        if self.datastore is None:
+            raise ValueError("prompt_lookup: scoring nodes needs a datastore")
+        scored = []
+        for index in self.indexes(state):
+            chain = index.lookup(self.num_draft)
+            tree = self.datastore.scored_tree(index.tokens, self.num_draft, index.counts)
+            scored.append(self.scores(index, chain, tree) if chain else dict(tree))
+        return scored
+
+    def indexes(self, state: DecodeState) -> list[NgramIndex]:
+        """Each row's index of its prompt and committed tokens; built on the first step of a generation."""
+        if state.drafter_state is None:
             prompts = row_prompts(state)
             state.drafter_state = LookupRun([self.new_index() for _ in prompts], [len(p) for p in prompts])
             for index, prompt, tokens in zip(state.drafter_state.rows, prompts, state.generated):
                 index.extend(prompt + tokens)
-        return [self.row_sources(index) for index in state.drafter_state.rows]
+        return state.drafter_state.rows
 
     def new_index(self) -> NgramIndex:
         """An empty index of one row's text, with this drafter's n-gram sizes (and the counts of its text a datastore

@@ -59,9 +59,10 @@ from models.eagle3 import load_eagle3
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
-OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "datastore", "datastore_grow", "datastore_smoothing",
-            "datastore_request_weight")  # options a type may not take
+OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "lookup_budget", "datastore", "datastore_grow",
+            "datastore_smoothing", "datastore_request_weight")  # options a type may not take
 MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
+MAX_BUDGET = 256  # the most nodes `lookup_budget` keeps of the pooled tree (the dynamic tree's limit too)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class LoadOptions:
     draft_stop: str | None = None  # draft models only (inference.drafters.draft_stop)
     head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
     lookup: int | None = None  # tree drafters: graft a prompt-lookup chain of up to N tokens onto each tree
+    # with `lookup` and a datastore: keep the M likeliest nodes of the drafter's tree and the lookup's, ranked by their
+    # scores (inference.drafters.with_lookup), instead of all of both
+    lookup_budget: int | None = None
     # prompt lookup (alone or grafted by `lookup`): also draft from this corpus of the target's text; a spec (a source
     # or several, joined by commas or listed: data.datastore) until `with_datastore` reads it, then the Datastore
     datastore: str | Path | Sequence[str | Path] | Datastore | None = None
@@ -109,6 +113,7 @@ class Naming:
     draft_stop: str
     head_vocab: str
     lookup: str
+    lookup_budget: str
     datastore: str  # without "=": messages name the source as <datastore>=<path>
     datastore_grow: str
     datastore_smoothing: str
@@ -116,10 +121,11 @@ class Naming:
 
 
 API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=",
-             lookup="lookup=", datastore="datastore", datastore_grow="datastore_grow=",
+             lookup="lookup=", lookup_budget="lookup_budget=", datastore="datastore", datastore_grow="datastore_grow=",
              datastore_smoothing="datastore_smoothing=", datastore_request_weight="datastore_request_weight=")
 CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab",
-             lookup="--lookup", datastore="--datastore", datastore_grow="--datastore-grow",
+             lookup="--lookup", lookup_budget="--lookup-budget", datastore="--datastore",
+             datastore_grow="--datastore-grow",
              datastore_smoothing="--datastore-smoothing", datastore_request_weight="--datastore-request-weight")
 
 
@@ -162,6 +168,8 @@ class DrafterRequest:
                                            or not 1 <= options.lookup <= MAX_LOOKUP):
             raise UsageError(f"{naming.lookup} must be a whole number of tokens in [1, {MAX_LOOKUP}], got "
                              f"{options.lookup!r}")
+        if options.lookup_budget is not None:
+            self.check_budget(options, naming)
         if options.datastore_grow is not None and (isinstance(options.datastore_grow, bool)
                                                    or not isinstance(options.datastore_grow, int)
                                                    or options.datastore_grow < 1):
@@ -178,6 +186,18 @@ class DrafterRequest:
             has_store = options.datastore is not None or options.datastore_grow is not None
             stand_in = Datastore([], max_served=1) if has_store else None
             kind.build(self, None, replace(options, datastore=stand_in), None)
+
+    @staticmethod
+    def check_budget(options: LoadOptions, naming: Naming) -> None:
+        """`lookup_budget` is a whole number of nodes in [1, MAX_BUDGET], with `lookup` and a datastore (or growth),
+        whose scores rank the lookup's nodes."""
+        name, budget = naming.lookup_budget.rstrip("="), options.lookup_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+            raise UsageError(f"{naming.lookup_budget} must be a whole number of nodes in [1, {MAX_BUDGET}], got "
+                             f"{budget!r}")
+        if options.lookup is None or (options.datastore is None and options.datastore_grow is None):
+            raise UsageError(f"{name} needs {naming.lookup.rstrip('=')} and {naming.datastore}: it ranks the "
+                             f"drafter's nodes and the lookup's by their scores, which the datastore gives")
 
     @staticmethod
     def check_settings(options: LoadOptions, naming: Naming) -> None:
@@ -231,7 +251,7 @@ class DrafterRequest:
         drafter = DRAFTERS[self.type].build(self, model, options, device)
         if options.lookup is None:
             return drafter
-        return WithLookup(drafter, num_draft=options.lookup, datastore=options.datastore)
+        return WithLookup(drafter, num_draft=options.lookup, datastore=options.datastore, budget=options.lookup_budget)
 
 
 @dataclass(frozen=True)
@@ -329,9 +349,10 @@ def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: Lo
 
 DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
-    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup"}) | DATASTORE_OPTIONS, checkpoint=True),
+    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup", "lookup_budget"}) | DATASTORE_OPTIONS,
+                          checkpoint=True),
     "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
-    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup"}) | DATASTORE_OPTIONS, checkpoint=True),
+    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "lookup_budget"}) | DATASTORE_OPTIONS, checkpoint=True),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
     **{name: DrafterType(_keyword, KEYWORD_TAKES.get(name, frozenset())) for name in KEYWORD_DRAFTERS},

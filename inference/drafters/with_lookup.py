@@ -16,6 +16,13 @@ first (on smollm2, with EAGLE-3's 8-node tree: τ 2.37 in this order, 2.33 with 
 alone has them). A step without a match verifies the inner tree alone; the lookup adds at most `num_draft` nodes. Rows
 of a batch share one tree shape (`path_trees.merge_rows`, fillers where a row lacks a node).
 
+With a `budget` the order is by estimate instead: each node of the inner tree carries the drafter's probability of its
+path (`Draft.scores`: EAGLE-3's draft probabilities, Medusa's heads'), each of the lookup's the datastore's score (its
+chain's and tree's nodes, `PromptLookupDrafter.scored_nodes`), a node both draft the larger, and the `budget`
+likeliest nodes of the pool are verified: EAGLE-2's rule for one tree, over both sources, so a step where the datastore
+is sure gives it more nodes and one where the drafter is sure gives the drafter more, within one node count. Each
+source's estimates fall along a path (a child's at most its parent's), so the likeliest nodes form a tree.
+
 Drafts of both are deterministic, so greedy verification still returns plain greedy decoding and rejection sampling
 with the one-hot rule stays exact (inference.engine.verify: exact for any deterministic tree). The inner drafter
 advances from the merged tree's accepted path (EAGLE-3 reads the target's features at its nodes, Medusa the final
@@ -73,8 +80,12 @@ class WithLookup:
     for both."""
 
     def __init__(self, inner: Drafter, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 1,
-                 datastore: Datastore | None = None) -> None:
-        self.inner, self.datastore = inner, datastore
+                 datastore: Datastore | None = None, budget: int | None = None) -> None:
+        if budget is not None and (datastore is None or isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 1):
+            raise ValueError(f"WithLookup: budget ranks the datastore's scores, so it needs a datastore, and is a "
+                             f"whole number of nodes >= 1, got {budget!r}")
+        self.inner, self.datastore, self.budget = inner, datastore, budget
         self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, num_draft=num_draft,
                                           datastore=datastore)
         self.needs_hidden = inner.needs_hidden
@@ -86,16 +97,33 @@ class WithLookup:
         run = state.drafter_state if isinstance(state.drafter_state, WithLookupRun) else WithLookupRun()
         with part_state(state, run, "inner"):
             draft = self.inner.propose(state)
-        with part_state(state, run, "lookup"):
-            sources = self.lookup.sources(state)  # [B] lists of sources: the row's chain, the datastore's tree
         if draft.probs is not None:
             raise ValueError("WithLookup: the inner drafter sampled its draft; only deterministic drafts merge")
+        if self.budget is not None:
+            return self.pooled(state, run, draft)
+        with part_state(state, run, "lookup"):
+            sources = self.lookup.sources(state)  # [B] lists of sources: the row's chain, the datastore's tree
         if not any(sources):
             return draft
         rows = [rank_tree(paths + [node for nodes in found for node in nodes])  # priority order
                 for paths, found in zip(node_paths(draft), sources)]
         choices = merge_rows(rows, draft.tree.num_nodes - 1 + self.lookup.num_draft)
         return tree_draft(draft.tokens[:, 0], rows, choices, self._trees)
+
+    def pooled(self, state: DecodeState, run: WithLookupRun, draft: Draft) -> Draft:
+        """The `budget` likeliest nodes of the inner tree and the lookup's, by their scores (module docstring)."""
+        if draft.scores is None:
+            raise ValueError("WithLookup: a budget ranks nodes by score, and the inner drafter does not score its "
+                             "nodes")
+        with part_state(state, run, "lookup"):
+            scored = self.lookup.scored_nodes(state)  # [B] dicts: token path -> the datastore's score
+        rows = []
+        for paths, inner_scores, pool in zip(node_paths(draft), draft.scores[:, 1:].tolist(), scored):
+            for path, value in zip(map(tuple, paths), inner_scores):
+                pool[path] = max(value, pool.get(path, 0.0))
+            ranked = sorted(pool, key=lambda path: (-pool[path], len(path)))  # ties: parents first
+            rows.append(rank_tree(ranked))
+        return tree_draft(draft.tokens[:, 0], rows, merge_rows(rows, self.budget), self._trees)
 
     def finish(self, sequences: list[list[int]]) -> None:
         """The generation's answers to both parts that learn from them (a growing datastore; Drafter.finish)."""
