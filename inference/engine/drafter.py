@@ -28,8 +28,9 @@ class Draft:
     # target logits; leaf rows unused). None: deterministic drafts, verified with the one-hot rule.
     probs: torch.Tensor | None = None
     replacement: bool = True  # sampled siblings were drawn i.i.d. from q (True) or without replacement (False)
-    # [B, K] the drafter's estimate that the target accepts each node's path (root 1.0): EAGLE-3's draft probability
-    # of the path. None: the drafter does not score its nodes. Only a merge that ranks nodes reads it (WithLookup)
+    # [B, K] the drafter's estimate that the target accepts each node's path (root 1.0): the draft's probability of the
+    # path (EAGLE-3; Medusa's heads, multiplied). None: the drafter does not score its nodes. Only a merge that ranks
+    # nodes reads it (WithLookup's budget)
     scores: torch.Tensor | None = None
 
 
