@@ -15,7 +15,7 @@ from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.registry import LoadOptions, resolve
 from inference.drafters.with_lookup import WithLookup, node_paths
 from inference.engine.drafter import DecodeState, Draft
-from inference.engine.loop import DecodeConfig, generate
+from inference.engine.loop import DecodeConfig, drafter_modules, generate
 from inference.engine.tree import build_tree
 from models.eagle3 import save_eagle3
 from tests.conftest import build_tiny_lm
@@ -114,6 +114,18 @@ def test_greedy_equals_plain_greedy_and_chain_nodes_get_accepted(tiny_lm, kind):
     assert max(max(step) for step in grafted.stats.accepted) > tree.max_depth  # a chain node beyond the inner depth
     assert grafted.stats.mean_accepted > alone.stats.mean_accepted + 0.2, (alone.stats.mean_accepted,
                                                                            grafted.stats.mean_accepted)
+
+
+def test_the_wrapped_drafters_modules_take_the_engines_kernels(tiny_lm):
+    """`drafter_modules` (what `fast_linears` and `gqa_attention` route) reaches through WithLookup to the inner
+    drafter's own modules: EAGLE-3's draft layer, Medusa's heads."""
+    tree = build_tree([(0,), (1,), (0, 0)], num_heads=2, topk=2)
+    eagle = Eagle3Drafter(random_draft(), tree, tiny_lm.get_input_embeddings())
+    medusa = MedusaDrafter(random_heads(2, tiny_lm, seed=3), tree)
+    for inner, module in ((eagle, eagle.draft), (medusa, medusa.heads)):
+        alone, wrapped = drafter_modules(inner), drafter_modules(WithLookup(inner, num_draft=4))
+        assert any(m is module for m in alone)
+        assert [id(m) for m in wrapped] == [id(m) for m in alone]
 
 
 def test_load_grafts_the_chain_and_checks_the_option(tmp_path):

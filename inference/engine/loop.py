@@ -343,8 +343,15 @@ def feature_layers(drafter: Drafter) -> tuple[int, ...]:
 
 
 def drafter_modules(drafter: Drafter) -> list[torch.nn.Module]:
-    """The modules a drafter holds as attributes (heads, a draft model, a stopper), for `fast_linears`."""
-    return [value for value in getattr(drafter, "__dict__", {}).values() if isinstance(value, torch.nn.Module)]
+    """The modules a drafter holds as attributes (heads, a draft model, a stopper), and those of the drafters it wraps
+    (WithLookup's inner drafter), for `fast_linears` and `gqa_attention`."""
+    found = []
+    for value in getattr(drafter, "__dict__", {}).values():
+        if isinstance(value, torch.nn.Module):
+            found.append(value)
+        elif value is not drafter and callable(getattr(value, "propose", None)):  # a wrapped drafter
+            found += drafter_modules(value)
+    return found
 
 
 def _generate(
