@@ -156,8 +156,8 @@ def test_a_budget_keeps_the_likeliest_nodes_of_both_sources():
     drafter = WithLookup(inner, num_draft=3, datastore=Datastore([[1]]), budget=4)
     drafter.lookup.scored_nodes = lambda state: [{(5,): 0.4, (5, 7): 0.35, (5, 7, 8): 0.35, (9,): 0.25}, {}]
     draft = drafter.propose(state_of([[1, 2, 3], [3, 4, 5]], roots=[2, 4]))
-    # row 0 ranks a, c, 5 7 8, 9, b; row 1 ranks 20, 22 (under 20), 21: taking turns, the union of 4 paths is
-    # (0,) a, (0, 0) c / 22, (0, 0, 0) 8, and (1,) 9 for row 0 (row 1's 21 comes after the cap)
+    # row 0 ranks a, c, 5 7 8, 9, b; row 1 ranks 20, 22 (under 20), 21: taking turns, the union of 4 paths is (0,),
+    # (0, 0), (0, 0, 0) (row 0's 8; a filler for row 1) and (1,) (row 0's 9, row 1's 21); row 0's b does not fit
     assert draft.tree.choices == ((0,), (1,), (0, 0), (0, 0, 0))
     assert draft.tokens.tolist() == [[2, 5, 9, 7, 8], [4, 20, 21, 22, 22]]
     with pytest.raises(ValueError, match="budget ranks the datastore's scores, so it needs a datastore"):
