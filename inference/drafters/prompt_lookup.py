@@ -134,7 +134,7 @@ class PromptLookupDrafter:
         for index in self.indexes(state):
             chain = index.lookup(self.num_draft)
             tree = self.datastore.scored_tree(index.tokens, self.num_draft, index.counts)
-            scored.append(self.scores(index, chain, tree) if chain else dict(tree))
+            scored.append(self.scores(index, chain, tree))
         return scored
 
     def indexes(self, state: DecodeState) -> list[NgramIndex]:
@@ -183,10 +183,11 @@ class PromptLookupDrafter:
     def scores(self, index: NgramIndex, chain: list[int], scored: list[tuple[tuple[int, ...], float]]
                ) -> dict[tuple[int, ...], float]:
         """Each node of the chain and the tree -> its score: the tree's own, a chain node's the datastore's score of
-        its path, a node both draft the larger."""
+        its path, a node both draft the larger (no datastore lookup for an empty chain)."""
         score = dict(scored)
-        for path, value in zip(chain_nodes(chain), self.datastore.path_scores(index.tokens, chain, index.counts)):
-            score[path] = max(value, score.get(path, 0.0))
+        if chain:
+            for path, value in zip(chain_nodes(chain), self.datastore.path_scores(index.tokens, chain, index.counts)):
+                score[path] = max(value, score.get(path, 0.0))
         return score
 
     def sized(self, index: NgramIndex, chain: list[int], scored: list[tuple[tuple[int, ...], float]]
@@ -194,7 +195,7 @@ class PromptLookupDrafter:
         """One row's nodes sized by `node_cost`: the chain's and the tree's nodes (a node both draft scored by the
         larger) ranked by score, shorter first on ties, so that every parent precedes its children; the first k <=
         num_draft of them maximising (1 + their scores' sum) / (1 + node_cost * k), as one source (none for k = 0)."""
-        score = self.scores(index, chain, scored) if chain else dict(scored)
+        score = self.scores(index, chain, scored)
         ranked = sorted(score.items(), key=lambda item: (-item[1], len(item[0])))[: self.num_draft]
         best_k, best, expected = 0, 1.0, 0.0  # k = 0: a plain step, one token for one step's cost
         for k, (_, value) in enumerate(ranked, 1):
