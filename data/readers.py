@@ -192,10 +192,17 @@ def iter_records(path: str | Path, split: str = "train", recover_truncated: bool
     elif str(path) in NAMED_SOURCES:
         located = NAMED_SOURCES[str(path)]()
         yield from _iter_text(located.label, located.read_bytes(), located.label.endswith(".jsonl"), recover_truncated)
-    elif _looks_local(str(path)):
+    elif missing_source(path):
         raise DataError(f"{path}: no such file or directory")
     else:
         yield from _iter_hub(str(path), split)
+
+
+def missing_source(path: str | Path) -> bool:
+    """Whether `path` can only name a local file or folder (not a named source or a hub dataset id) and none is
+    there: what iter_records refuses; training asks it before anything loads (train.checks)."""
+    text = str(path)
+    return not Path(text).expanduser().exists() and text not in NAMED_SOURCES and _looks_local(text)
 
 
 def _looks_local(path: str) -> bool:

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -77,6 +78,16 @@ def cli(*overrides: str, method: str = "medusa1") -> Callable[[Workspace], Any]:
     return call
 
 
+def sources(*overrides: str, method: str = "medusa1") -> Callable[[Workspace], Any]:
+    """What the run checks first when it starts (train.cli.run_task): the data files its config names."""
+    def call(ws: Workspace):
+        from train.checks import check_data_sources
+
+        return check_data_sources(composed(method, *(o.format(tmp=ws.tmp) for o in overrides)))
+
+    return call
+
+
 def composed(method: str, *overrides: str):
     """The run's config, as `python -m train <method> +model=tiny <overrides>` composes it."""
     from hydra import compose, initialize_config_module
@@ -109,6 +120,20 @@ def two_head_run(out: Path, *overrides: str) -> Path:
                               extra={"config": OmegaConf.to_container(saved, resolve=True), "global_step": 4})
     (checkpoint / "trainer_state.json").write_text('{"global_step": 4}')
     return out
+
+
+def unmakeable(ws: Workspace, override: str):
+    """The command line with `override`, where no folder can be made under the test's folder though its permission
+    bits allow it (a read-only mount; root on a pseudo filesystem)."""
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    original = tempfile.mkdtemp
+    tempfile.mkdtemp = read_only
+    try:
+        return cli(override)(ws)
+    finally:
+        tempfile.mkdtemp = original
 
 
 def resume_with_other_heads(ws: Workspace):
@@ -290,6 +315,15 @@ CASES = [
          r"method.max_gamma=64: must be in \[2, 32\]"),
     Case("output-dir-under-a-file", lambda ws: (ws.tmp / "file").write_text("x") and cli("output_dir={tmp}/file/run")(ws),
          UsageError, r"output_dir={tmp}/file/run: {tmp}/file is a file, not a directory"),
+    Case("output-dir-cannot-hold-a-folder", lambda ws: unmakeable(ws, "output_dir={tmp}/run"), UsageError,
+         r"output_dir={tmp}/run: cannot create a folder in {tmp} \(Read-only file system\)"),
+    Case("data-path-missing", sources("data=sharegpt", "data.path={tmp}/nope.json"), UsageError,
+         r"data.path={tmp}/nope.json: no such file or directory"),
+    Case("validation-path-missing", sources("data=sharegpt", f"data.path={CASES_DIR / 'one_too_long.jsonl'}",
+                                            "data.validation_path={tmp}/val"), UsageError,
+         r"data.validation_path={tmp}/val: no such file or directory"),
+    Case("features-missing-before-self-distill", cli("data.features={tmp}/cache"), UsageError,
+         r"data.features={tmp}/cache: no such directory \(make it with .*\)"),
     # --- CLLM trajectories (exit 1, before the target loads) ---
     Case("trajectory-malformed-json", trajectories("trajectory_malformed.jsonl"), DataError,
          r"{cases}/trajectory_malformed.jsonl:2: malformed JSON line: Expecting ',' delimiter \(column 162\)"),
@@ -448,6 +482,9 @@ def entry_point_errors(ws: Workspace) -> dict[str, tuple[list[str], int, str]]:
             "the draft model has a vocabulary of 512 tokens"),
         "resume-other-head-count": ([*run, "method.num_heads=3", "training.resume_from_checkpoint=auto",
                                      f"output_dir={resumed}"], 1, "was trained with method.num_heads=2"),
+        "data-file-missing": ([*run, "data=sharegpt", f"data.path={ws.tmp / 'nope.json'}",
+                               f"output_dir={ws.tmp / 'nodata'}"], 1,
+                              f"data.path={ws.tmp / 'nope.json'}: no such file or directory"),
         "inference-nf4-narrow-layers": (["-m", "inference", "generate", "--base", model, "--quantization", "nf4",
                                          "--prompt", "hi", "--device", "cpu"], 2,
                                         "in_features=32, not a multiple of the 64-value quantisation block"),
@@ -455,7 +492,7 @@ def entry_point_errors(ws: Workspace) -> dict[str, tuple[list[str], int, str]]:
 
 
 ENTRY_POINT_CASES = ["negative-decay", "bad-trajectories", "draft-vocab-before-self-distillation",
-                     "resume-other-head-count", "inference-nf4-narrow-layers"]
+                     "resume-other-head-count", "data-file-missing", "inference-nf4-narrow-layers"]
 
 
 @pytest.mark.parametrize("case", ENTRY_POINT_CASES)
@@ -516,9 +553,10 @@ def test_storage_oserror_from_the_run_is_one_line(monkeypatch, capsys):
     def full_disk(cfg):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/checkpoints/checkpoint-4/trainer_state.json")
 
+    cfg = composed("medusa1")
     monkeypatch.setattr("train.task.run", full_disk)
     with pytest.raises(SystemExit) as exit_info:
-        run_task(None)
+        run_task(cfg)
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip() == (
         "error: /runs/x/checkpoints/checkpoint-4/trainer_state.json: No space left on device")
@@ -528,7 +566,7 @@ def test_storage_oserror_from_the_run_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr("train.task.run", bug)
     with pytest.raises(OSError):
-        run_task(None)
+        run_task(cfg)
 
 
 def test_disk_full_during_a_training_run(tmp_path, monkeypatch, capsys):

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from data.readers import DataError, read_conversations
+from data.readers import DataError, missing_source, read_conversations
 from tests.data_support import FIXTURES, SHARED
 
 
@@ -168,6 +168,20 @@ def test_empty_and_all_bad_and_missing_sources_name_the_file(tmp_path):
     broken.write_text('[\n{"a": 1},\n{"a": \n')
     with pytest.raises(DataError, match=rf"^{broken}:\d+: malformed JSON"):
         read_conversations(broken, "sharegpt", on_error="skip")
+
+
+def test_missing_source_tells_a_missing_file_from_a_named_source_or_a_hub_id(tmp_path):
+    """What training refuses before anything loads (train.checks.check_data_sources) is what reading would refuse:
+    a path that is not there; a named source and a hub dataset id pass, to be read (and checked) later."""
+    present = tmp_path / "chats.json"
+    present.write_text("[]")
+    missing = [tmp_path / "nope.json", "nope.jsonl", "./no-such-folder", "~/no/such/dir", "a/b/c"]
+    passing = [present, tmp_path, "sharegpt_v3", "org/dataset", "dataset"]
+    assert [p for p in missing if not missing_source(p)] == []
+    assert [p for p in passing if missing_source(p)] == []
+    for path in missing:
+        with pytest.raises(DataError, match="no such file or directory"):
+            read_conversations(path, "sharegpt")
 
 
 def test_shared_sharegpt_and_gsm8k_files_read_cleanly():

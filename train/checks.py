@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.errors import UsageError
 from data.extras import require
 from data.paths import check_writable_dir
+from data.readers import missing_source
 from train import config as schema
 
 
@@ -71,12 +72,26 @@ def check_features(cfg: DictConfig) -> None:
     if cfg.method.name not in FEATURE_READERS:
         raise UsageError(f"data.features: {cfg.method.name} trains from the target's own forward and reads no "
                          f"feature cache (methods that do: {', '.join(sorted(FEATURE_READERS))})")
-    if self_distill:
-        raise UsageError("data.features with data.self_distill=true: the cache holds the text it was made from; "
-                         "pass data.self_distill=false (or data=sharegpt_v3)")
     if not Path(reading).expanduser().is_dir():
         raise UsageError(f"data.features={reading}: no such directory (make it with `python -m train features "
                          f"+model=<name> data=<recipe> output_dir={reading}`)")
+    if self_distill:
+        raise UsageError("data.features with data.self_distill=true: the cache holds the text it was made from; "
+                         "pass data.self_distill=false (or data=sharegpt_v3)")
+
+
+def check_data_sources(cfg: DictConfig) -> None:
+    """data.path and data.validation_path, where the run reads them: a local file or folder that is not there fails
+    when the run starts (train.cli.run_task), before the Trainer is imported or the tokenizer loads, not when the
+    config is only printed (`--cfg job`: a model config may name a file the user has yet to fetch).
+    data.readers.missing_source: named sources and hub dataset ids pass; what they hold is checked when read."""
+    if OmegaConf.select(cfg, "data.features") or brings_own_data(cfg.method.name) \
+            or OmegaConf.select(cfg, "data.format") == "builtin":
+        return
+    for key in ("path", "validation_path"):
+        value = OmegaConf.select(cfg, f"data.{key}")
+        if value is not None and missing_source(str(value)):
+            raise UsageError(f"data.{key}={value}: no such file or directory")
 
 
 def check_self_distill(cfg: DictConfig) -> None:

@@ -27,7 +27,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from data.errors import UsageError
 from train import config as schema
-from train.checks import check_values
+from train.checks import check_data_sources, check_values
 from train.config import register_configs
 
 CONFIG_MODULE = "conf"
@@ -208,10 +208,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def run_task(cfg) -> None:
     """Hydra task: train, turning input errors into one line on stderr and exit code 1."""
-    from train import task  # deferred: transformers' Trainer (seconds), not needed to reject a bad command line
-
     try:
+        check_data_sources(cfg)  # before the Trainer's imports: seconds for a missing file
+        from train import task  # deferred: transformers' Trainer (seconds), not needed to reject a bad command line
+
         task.run(cfg)
+    except UsageError as e:  # ahead of user_errors(), which imports the Trainer to name its error type
+        print(f"\nerror: {e}", file=sys.stderr, flush=True)  # the newline ends a progress bar's line
+        raise SystemExit(1) from None
     except user_errors() as e:
         print(f"\nerror: {e}", file=sys.stderr, flush=True)  # the newline ends a progress bar's line
         raise SystemExit(1) from None
