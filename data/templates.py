@@ -11,9 +11,11 @@ llama-2-chat Meta `llama/generation.py::chat_completion`: every user/assistant p
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from data.errors import UsageError
+from data.locations import written_as_path
 
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
@@ -66,13 +68,20 @@ class ChatTemplateError(UsageError):
 
 
 def get_template(name: str) -> str:
-    """The Jinja source of a shipped template; unknown names raise ChatTemplateError listing the shipped ones."""
-    try:
+    """The Jinja source of a shipped template, or of a template file (a path to a .jinja file, as vLLM's
+    --chat-template takes); other names raise ChatTemplateError listing the shipped ones."""
+    if name in TEMPLATES:
         return TEMPLATES[name]
-    except KeyError:
-        raise ChatTemplateError(
-            f"unknown chat template {name!r}; shipped templates: {', '.join(sorted(TEMPLATES))}"
-        ) from None
+    path = Path(name).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"chat template {name}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    if name.endswith(".jinja") or written_as_path(name):
+        raise ChatTemplateError(f"chat template {name}: no such file")
+    raise ChatTemplateError(f"unknown chat template {name!r}; shipped templates: {', '.join(sorted(TEMPLATES))} "
+                            f"(or a .jinja file, or the Jinja text itself)")
 
 
 def resolve_template(tokenizer: Any, chat_template: str | None) -> str | None:

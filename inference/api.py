@@ -24,7 +24,7 @@ import torch
 
 from data.chat import encode_prompt
 from data.collate import left_pad
-from data.templates import TEMPLATES
+from data.templates import TEMPLATES, resolve_template
 from inference.drafters.registry import API, MEDUSA_TOPK, DrafterRequest, LoadOptions, resolve
 from inference.engine.devices import input_device
 from inference.engine.drafter import Drafter
@@ -34,8 +34,8 @@ from inference.engine.verify import SamplingParams
 from inference.textstream import TextStream
 from models.backbone import eos_token_ids
 from models.checkpoint import load_drafter_target
-from models.loading import has_tokenizer, load_target, load_tokenizer
-from models.refs import LocalRef, ModelSettings, model_settings
+from models.loading import check_device, has_tokenizer, load_target, load_tokenizer, model_config
+from models.refs import BuiltinRef, EarlyExitRef, LocalRef, ModelRef, ModelSettings, model_settings
 
 Message = dict[str, str]
 TextPrompt = str | Sequence[Message]  # one user message, or a conversation of {"role", "content"} messages
@@ -322,7 +322,12 @@ def load(
     request.check(options, API)
     if device_map is not None and tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
+    if device_map is None:
+        check_device(device)
     settings = model_settings(base or request.base)  # a model name ("tiny", "smollm2") as the command line takes it
+    base_config = config_before_loading(settings.ref)
+    if base_config is not None:
+        request.check_target(base_config)
     text = load_text_side(request, settings, base_overridden=base is not None, tokenizer=tokenizer,
                           chat_template=chat_template, trust_remote_code=trust_remote_code)
     options = options.with_datastore(text[0], API)
@@ -366,7 +371,23 @@ def load_text_side(request: DrafterRequest, settings: ModelSettings, base_overri
         tokenizer = request.path if own else settings.ref
         if isinstance(tokenizer, LocalRef) and not has_tokenizer(tokenizer.path):
             return None, template  # a bare model folder (weights and config only): the engine takes token ids
-    return load_tokenizer(tokenizer, trust_remote_code=trust_remote_code), template
+    loaded = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    if template is not None:
+        resolve_template(loaded, template)  # an unknown name or a missing file: one line before the model loads
+    return loaded, template
+
+
+def config_before_loading(ref: ModelRef) -> Any:
+    """The base model's config when it can be read cheaply before loading (its context length, its widths against a
+    drafter's): a folder's or a hub id's config.json. A built-in or early-exit model (whose first use builds it) and
+    a config that does not read give None: the load reports those in its own words, and `generate()` checks the
+    loaded model's context before decoding."""
+    if isinstance(ref, (BuiltinRef, EarlyExitRef)):
+        return None
+    try:
+        return model_config(ref)
+    except ValueError:  # ModelLoadError: the load reports it in its own words
+        return None
 
 
 def trained_setting(config: dict[str, Any] | None, key: str, groups: Sequence[str]) -> str | None:

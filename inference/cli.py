@@ -36,6 +36,8 @@ def read_chat(value: str) -> list[dict[str, str]]:
     list of strings (alternating user / assistant turns, starting with the user)."""
     path = Path(value)
     where = f"--chat {value}" if len(value) < 60 else "--chat"
+    if not path.is_file() and not value.lstrip().startswith(("[", "{")):  # neither a file nor JSON: a missing file
+        raise UsageError(f"--chat {value}: no such file (pass a JSON file, or the JSON list itself)")
     try:
         text = path.read_text(encoding="utf-8-sig") if path.is_file() else value
     except OSError as e:

@@ -16,13 +16,13 @@ import torch
 from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
-from inference.api import attach, load, load_text_side, trained_setting
+from inference.api import attach, config_before_loading, load, load_text_side, trained_setting
 from inference.drafters.datastore import REQUEST_WEIGHT, SMOOTHINGS
 from inference.drafters.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
 from inference.drafters.spec import DrafterSpec
 from inference.engine.loop import check_context
-from models.loading import located, model_config
-from models.refs import BuiltinRef, EarlyExitRef, LocalRef, ModelRef, model_settings
+from models.loading import check_device, located
+from models.refs import LocalRef, model_settings
 
 
 # How every command line here (python -m inference, scripts/bench_suite.py) reports bad input: one line, status 2.
@@ -104,8 +104,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                                         "balanced | balanced_low_0 | sequential | a JSON file or object mapping "
                                         "module names to GPU indices, \"cpu\" or \"disk\"; excludes --device")
     p.add_argument("--offload-folder", help="directory for the weights a --device-map puts on \"disk\"")
-    p.add_argument("--chat-template", help="shipped template name (vicuna_v1.1, llama-2-chat) or a Jinja string "
-                                           "(default: the checkpoint's training setting, else the tokenizer's own)")
+    p.add_argument("--chat-template", help="shipped template name (vicuna_v1.1, llama-2-chat), a .jinja file or a "
+                                           "Jinja string (default: the checkpoint's training setting, else the "
+                                           "tokenizer's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--no-cpu-kernel", action="store_true",
@@ -153,6 +154,8 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     --max-new-tokens beyond the base model's context (its config.json). Raises UsageError or ValueError (one line)."""
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.device is not None:
+        check_device(args.device)
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
     options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab,
                           lookup=args.lookup, lookup_budget=args.lookup_budget, datastore=args.datastore,
@@ -162,27 +165,17 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     base = model_settings(request.base).ref if request.base else None
     if isinstance(base, LocalRef):  # a base directory that is not there: its one line now, not after other models load
         located(base, needs=("config.json", "adapter_config.json"))
+    base_config = config_before_loading(base) if base is not None else None
+    if base_config is not None:  # a drafter trained for another base: before its weights load
+        request.check_target(base_config)
     max_new_tokens = getattr(args, "max_new_tokens", None)  # generate and bench take --max-new-tokens
     if base is not None and max_new_tokens is not None:  # beyond the context even for a 1-token prompt: before loading
-        limit = context_before_loading(base)
-        check_context(limit, 1, max_new_tokens, "--max-new-tokens", request.base)
+        check_context(base_config, 1, max_new_tokens, "--max-new-tokens", request.base)
     if args.device_map is not None and args.device is not None:
         raise UsageError("--device and --device-map are exclusive: the device map places every layer")
     if args.offload_folder is not None and args.device_map is None:
         raise UsageError("--offload-folder needs --device-map (it holds the modules the map puts on \"disk\")")
     return request, options
-
-
-def context_before_loading(ref: ModelRef) -> Any:
-    """The base model's config (for its context length) when it can be read cheaply before loading: a folder's or
-    a hub id's config.json. A built-in or early-exit model (whose first use builds it) and a config that does not
-    read are left to `generate()`, which checks the loaded model's context before decoding."""
-    if isinstance(ref, (BuiltinRef, EarlyExitRef)):
-        return None
-    try:
-        return model_config(ref)
-    except ValueError:  # ModelLoadError: the load reports it in its own words
-        return None
 
 
 def open_session(args: argparse.Namespace, share: Session | None = None) -> Session:

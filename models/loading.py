@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from data.extras import require
-from data.templates import get_template
+from data.templates import resolve_template
 from models.builtin import (  # noqa: F401  (re-exported: the names callers know models.loading by)
     DTYPES, QUANTIZATIONS, STOCK_MODULES, TOKENIZER_FILES, ModelLoadError, has_tokenizer, torch_dtype,
 )
@@ -109,6 +109,26 @@ def _device_name(device: str, where: str) -> str:
         raise ValueError(f"{where}: not a device (\"cpu\", \"cuda:1\", ...), a strategy ({strategies}) or a "
                          "JSON file") from None
     return device
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device this process can place a model on: ModelLoadError in one line for a name torch
+    does not know, or a CUDA / MPS device this machine (or this torch build) does not have. Asked before any model
+    loads, so a typo or a CPU-only install fails at once, not after the weights are read."""
+    try:
+        placed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"device {str(device)!r}: not a device (\"cpu\", \"cuda\", \"cuda:1\", \"mps\", ...)") from None
+    if placed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ModelLoadError(f"device {str(device)!r}: {build} (torch {torch.__version__}); use \"cpu\"")
+        count = torch.cuda.device_count()
+        if placed.index is not None and placed.index >= count:
+            raise ModelLoadError(f"device {str(device)!r}: this machine shows {count} CUDA device(s), numbered from 0")
+    elif placed.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {str(device)!r}: MPS is not available on this machine; use \"cpu\"")
+    return placed
 
 
 def quantization_config(quantization: str | None, double_quant: bool, compute_dtype: torch.dtype) -> Any:
@@ -259,7 +279,8 @@ def nf4_cpu_path(model: torch.nn.Module) -> str:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike | ModelRef, chat_template: str | None = None, trust_remote_code: bool = False):
-    """Load the tokenizer; `chat_template` names a shipped template (data.templates) for models without one."""
+    """Load the tokenizer; `chat_template` (a shipped template's name, a .jinja file or Jinja text, data.templates)
+    replaces its own."""
     from transformers import AutoTokenizer
 
     path = located(name_or_path, needs=TOKENIZER_FILES)
@@ -269,7 +290,7 @@ def load_tokenizer(name_or_path: str | os.PathLike | ModelRef, chat_template: st
         first = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load tokenizer {str(name_or_path)!r}: {first}") from None
     if chat_template is not None:
-        tokenizer.chat_template = get_template(chat_template)
+        tokenizer.chat_template = resolve_template(tokenizer, chat_template)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     return tokenizer

@@ -277,6 +277,51 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", ["tree_file", "tree_spec", "device", "device_name", "chat_template",
+                                  "chat_template_file", "chat_file", "other_base"])
+def test_refused_before_any_model_loads(assets, capsys, tmp_path, monkeypatch, case):
+    """What a checkpoint's config.json, the base's config.json and the arguments alone can refuse is refused before
+    the target's weights load (a 7B load takes minutes): load_target is made to fail the test if it is reached."""
+    def reached(*args, **kwargs):
+        raise AssertionError("the target was loaded before the refusal")
+
+    monkeypatch.setattr("inference.api.load_target", reached)
+    bad_tree = tmp_path / "bad.json"
+    bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
+    wide = tmp_path / "wide"  # heads trained for a base twice as wide as assets["model"]
+    tokenizer = tiny_tokenizer()
+    heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=64, vocab_size=len(tokenizer)))
+    save_drafter(wide, heads, str(assets["model"]), tokenizer=tokenizer)
+    gen = ("generate", "--drafter", assets["ckpt"], "--max-new-tokens", "2", "--prompt", "x")
+    argv, needle = {
+        "tree_file": ((*gen, "--tree", bad_tree), "bad.json: entry 1 [0, 0, 0]"),
+        "tree_spec": ((*gen, "--tree", "chain:x"), "tree 'chain:x': expected 'chain' or 'chain:<depth>'"),
+        "device": ((*gen, "--device", "cuda:7"), "device 'cuda:7': "),
+        "device_name": ((*gen, "--device", "banana"), "device 'banana': not a device"),
+        "chat_template": ((*gen, "--chat-template", "nosuch"), "unknown chat template 'nosuch'"),
+        "chat_template_file": ((*gen, "--chat-template", tmp_path / "t.jinja"),
+                               f"chat template {tmp_path / 't.jinja'}: no such file"),
+        "chat_file": (("generate", "--drafter", assets["ckpt"], "--chat", tmp_path / "chat.json"),
+                      f"--chat {tmp_path / 'chat.json'}: no such file"),
+        "other_base": (("generate", "--drafter", wide, "--prompt", "x"), "drafter hidden_size=64 does not match"),
+    }[case]
+    code = main([str(a) for a in argv])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_chat_template_from_a_file_renders_like_the_same_text(assets, capsys, tmp_path):
+    """--chat-template takes a .jinja file (as vLLM's does): the prompt it renders is the one the same Jinja text
+    renders."""
+    jinja = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    path = tmp_path / "chat.jinja"
+    path.write_text(jinja)
+    common = ("--base", assets["model"], "--prompt", "hello", "--max-new-tokens", "4")
+    from_file = generate_json(capsys, *common, "--chat-template", path)
+    as_text = generate_json(capsys, *common, "--chat-template", jinja)
+    assert from_file["token_ids"] == as_text["token_ids"] and from_file["prompt_tokens"] == as_text["prompt_tokens"]
+
+
 def test_text_stream_holds_back_partial_stop_strings():
     tok = tiny_tokenizer()
     ids = tok("hello world, hello there! Have a nice day.", add_special_tokens=False)["input_ids"]

@@ -193,6 +193,19 @@ def eagle3_tree(spec: object, acceptance: list[list[float]], device: torch.devic
     return load_tree(spec, num_heads=MAX_DEPTH, topk=MAX_RANK, device=device)
 
 
+def check_fits(tree: TreeBuffers | DynamicTree, draft_vocab: int) -> None:
+    """TreeError when `tree` is deeper than MAX_DEPTH or asks for ranks the draft cannot rank (MAX_RANK, or a draft
+    vocabulary of fewer tokens)."""
+    ranks = min(MAX_RANK, draft_vocab)
+    if isinstance(tree, DynamicTree):
+        if tree.depth > MAX_DEPTH or tree.topk > ranks:
+            raise TreeError(f"an EAGLE-3 dynamic tree may be {MAX_DEPTH} deep with topk <= {ranks}; "
+                            f"this one is {tree.depth} deep, topk {tree.topk}")
+    elif tree.max_depth > MAX_DEPTH or tree.topk > ranks:
+        raise TreeError(f"an EAGLE-3 tree may be {MAX_DEPTH} deep with ranks below {ranks}; this one is "
+                        f"{tree.max_depth} deep, rank {tree.topk - 1}")
+
+
 @dataclass(eq=False)
 class Pending:
     """Committed pairs the draft has not read yet, right-padded with holes."""
@@ -220,14 +233,7 @@ class Eagle3Drafter:
     needs_hidden = False
 
     def __init__(self, draft: Eagle3Draft, tree: TreeBuffers | DynamicTree, embed: nn.Module) -> None:
-        ranks = min(MAX_RANK, draft.config.draft_vocab_size)
-        if isinstance(tree, DynamicTree):
-            if tree.depth > MAX_DEPTH or tree.topk > ranks:
-                raise TreeError(f"an EAGLE-3 dynamic tree may be {MAX_DEPTH} deep with topk <= {ranks}; "
-                                f"this one is {tree.depth} deep, topk {tree.topk}")
-        elif tree.max_depth > MAX_DEPTH or tree.topk > ranks:
-            raise TreeError(f"an EAGLE-3 tree may be {MAX_DEPTH} deep with ranks below {ranks}; this one is "
-                            f"{tree.max_depth} deep, rank {tree.topk - 1}")
+        check_fits(tree, draft.config.draft_vocab_size)
         self.draft = draft
         self.tree = tree
         self.embed = embed

@@ -40,7 +40,7 @@ from inference.drafters.datastore import (
 )
 from inference.drafters.draft_model import build_draft_model_drafter
 from inference.drafters.draft_stop import check_stop_spec
-from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
+from inference.drafters.eagle3 import Eagle3Drafter, check_fits, eagle3_tree
 from inference.drafters.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
 from inference.drafters.lookahead import LookaheadDrafter
 from inference.drafters.medusa import MedusaDrafter
@@ -55,7 +55,7 @@ from models.checkpoint import (
     CheckpointError, check_compatible, head_vocabulary, load_drafter, read_drafter_config, read_token_counts,
 )
 from models.draft_model import checkpoint_stopper, is_plain_model
-from models.eagle3 import load_eagle3
+from models.eagle3 import load_eagle3, read_eagle3_config
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
 
 MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
@@ -181,6 +181,8 @@ class DrafterRequest:
             self.check_datastore(options, naming)
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
+        if kind.check is not None:
+            kind.check(self, options)
         if self.spec is not None:  # its options and their values, as its builder takes them: no target needed; an
             # empty datastore stands in for one given (read when the drafter is built), for options that need one
             has_store = options.datastore is not None or options.datastore_grow is not None
@@ -237,6 +239,13 @@ class DrafterRequest:
         if options.datastore is not None and not isinstance(options.datastore, Datastore):
             check_spec(options.datastore, naming.datastore)
 
+    def check_target(self, target_config: Any) -> None:
+        """A checkpoint trained for another base (hidden size, vocabulary), refused from the base's config alone,
+        before its weights load (the builders check the loaded model again); a checkpoint that carries its own
+        fine-tuned target (Medusa-2, CLLM) brings its own."""
+        if self.config is not None and not self.config.get("backbone"):
+            check_compatible(self.config, target_config.get_text_config())
+
     def build(self, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
         """The drafter for the loaded target `model` (`device`: where prompts go, the input embeddings'); with
         `options.lookup`, its trees carry a prompt-lookup chain too (inference.drafters.with_lookup), and the
@@ -260,6 +269,8 @@ class DrafterType:
     build: Callable[[DrafterRequest, torch.nn.Module | None, LoadOptions, torch.device | None], Drafter]
     takes: frozenset[str] = frozenset()  # which of OPTIONAL it takes
     checkpoint: bool = False  # named by a checkpoint's drafter_type; else by a spec
+    # what of the options can be refused from the checkpoint's small files, before any model loads (its tree)
+    check: Callable[[DrafterRequest, LoadOptions], None] | None = None
 
 
 # -- builders -----------------------------------------------------------------------------------------------------
@@ -281,6 +292,17 @@ def _medusa(request: DrafterRequest, model: torch.nn.Module, options: LoadOption
     return MedusaDrafter(loaded.heads, buffers, base_lm_head, vocab)
 
 
+def _medusa_check(request: DrafterRequest, options: LoadOptions) -> None:
+    """The tree for the checkpoint's head count (config.json), and head_vocab against its top-k: a bad --tree fails
+    in one line before the target loads."""
+    num_heads = (request.config or {}).get("num_heads")
+    if num_heads is None:
+        return
+    buffers = load_tree(options.tree, num_heads=int(num_heads), topk=options.topk, device="cpu")
+    if options.head_vocab is not None:
+        head_vocabulary(request.path, options.head_vocab, buffers.topk)
+
+
 def _draft_model(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device
                  ) -> Drafter:
     return build_draft_model_drafter(request.path, model, options.tree, options.topk, device, options.draft_stop)
@@ -295,6 +317,14 @@ def _eagle3(request: DrafterRequest, model: torch.nn.Module, options: LoadOption
     check_compatible(request.config, model.config.get_text_config())
     tree = eagle3_tree(options.tree, draft.config.acceptance, device, draft.config.draft_vocab_size)
     return Eagle3Drafter(draft, tree, embed)
+
+
+def _eagle3_check(request: DrafterRequest, options: LoadOptions) -> None:
+    """The tree from the checkpoint's config.json (its acceptance table, its draft vocabulary), built on the CPU:
+    a bad --tree fails in one line before the target loads."""
+    config = read_eagle3_config(request.path)
+    tree = eagle3_tree(options.tree, config.acceptance, "cpu", config.draft_vocab_size)
+    check_fits(tree, config.draft_vocab_size)
 
 
 def _cllm(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions, device: torch.device) -> Drafter:
@@ -350,9 +380,10 @@ def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: Lo
 DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
     "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup", "lookup_budget"}) | DATASTORE_OPTIONS,
-                          checkpoint=True),
+                          checkpoint=True, check=_medusa_check),
     "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
-    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "lookup_budget"}) | DATASTORE_OPTIONS, checkpoint=True),
+    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "lookup_budget"}) | DATASTORE_OPTIONS, checkpoint=True,
+                          check=_eagle3_check),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
     **{name: DrafterType(_keyword, KEYWORD_TAKES.get(name, frozenset())) for name in KEYWORD_DRAFTERS},
