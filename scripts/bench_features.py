@@ -32,9 +32,11 @@ from data.chat import encode_chat  # noqa: E402
 from data.collate import ChatCollator  # noqa: E402
 from data.config import load_data_config  # noqa: E402
 from data.datasets import load_conversations  # noqa: E402
+from data.errors import UsageError  # noqa: E402
 from inference.api import Engine  # noqa: E402
 from inference.collect.self_distill import SelfDistillConfig, self_distill  # noqa: E402
 from inference.engine.drafter import NoDrafter  # noqa: E402
+from inference.session import one_line  # noqa: E402
 from models.loading import load_target, load_tokenizer  # noqa: E402
 from models.refs import model_settings  # noqa: E402
 from train.features import LayerTaps, forward_features, plan_shards  # noqa: E402
@@ -58,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baselines", default="",
                         help=f"comma list of {', '.join(BASELINES)}: self-distill again without that saving")
     args = parser.parse_args(argv)
+    for flag in ("conversations", "batch_tokens", "max_length", "new_tokens", "batch_size", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     args.baselines = [name for name in args.baselines.split(",") if name]
     unknown = [name for name in args.baselines if name not in BASELINES]
     if unknown:
@@ -65,19 +70,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
-    settings = model_settings(args.base)
-    dtype = args.dtype or settings.dtype or "fp32"
-    data = load_data_config(args.data, {"max_length": args.max_length, "self_distill": False})
-    tokenizer = load_tokenizer(settings.ref, settings.chat_template)
-    conversations = load_conversations(data, "train")[: args.conversations * args.rounds]
-    if len(conversations) < args.conversations * args.rounds:
-        raise SystemExit(f"error: --data {args.data} has {len(conversations)} train conversations; "
-                         f"--conversations x --rounds needs {args.conversations * args.rounds}")
-    encoded = [encode_chat(tokenizer, c, args.max_length, settings.chat_template) for c in conversations]
+    try:  # a bad model, recipe or count: one line before the model loads
+        settings = model_settings(args.base)
+        dtype = args.dtype or settings.dtype or "fp32"
+        data = load_data_config(args.data, {"max_length": args.max_length, "self_distill": False})
+        tokenizer = load_tokenizer(settings.ref, settings.chat_template)
+        conversations = load_conversations(data, "train")[: args.conversations * args.rounds]
+        if len(conversations) < args.conversations * args.rounds:
+            raise UsageError(f"--data {args.data} has {len(conversations)} train conversations; "
+                             f"--conversations x --rounds needs {args.conversations * args.rounds}")
+        encoded = [encode_chat(tokenizer, c, args.max_length, settings.chat_template) for c in conversations]
+        target = load_target(settings.ref, dtype=dtype)
+    except ValueError as err:  # UsageError and the model, data and template errors derived from it
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
     train = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
-    target = load_target(settings.ref, dtype=dtype)
     print(f"{args.base} ({dtype}), {torch.get_num_threads()} threads; {args.conversations} conversations a round",
           file=sys.stderr, flush=True)
     taps = LayerTaps(target, [])
@@ -115,6 +124,7 @@ def main(argv=None) -> None:
         rate = statistics.median(rates[f"self-distill, {name}"])
         print(f"self-distill, {name}: {rate:,.1f} tok/s; the engine as it serves generates {g / rate:.2f}x as fast "
               f"(batches of {args.batch_size})")
+    return 0
 
 
 def _answers(path: Path) -> list[str]:
@@ -125,4 +135,4 @@ def _answers(path: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

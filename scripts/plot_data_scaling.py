@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         points = read_scaling_points(args.points)
         path = plot_data_scaling(points, args.out)
     except (OSError, ValueError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        where = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename else err
+        print(f"error: {where}", file=sys.stderr)
         return 2
     print(f"{path}: {len(points)} points, {len({q.series for q in points})} series")
     return 0
