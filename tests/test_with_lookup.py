@@ -13,11 +13,10 @@ from inference.drafters.datastore import Datastore
 from inference.drafters.eagle3 import Eagle3Drafter
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.registry import LoadOptions, resolve
-from inference.drafters.with_lookup import Calibration, WithLookup, node_paths
+from inference.drafters.with_lookup import WithLookup, node_paths
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.loop import DecodeConfig, drafter_modules, generate
 from inference.engine.tree import build_tree
-from inference.engine.verify import VerifyResult
 from models.eagle3 import save_eagle3
 from tests.conftest import build_tiny_lm
 from tests.test_draft_model import left_pad
@@ -171,41 +170,6 @@ def test_a_budget_keeps_the_likeliest_nodes_of_both_sources():
         unscored.propose(state_of([[1, 2, 3]], roots=[2]))
 
 
-def test_calibration_starts_at_the_score_and_learns_each_sources_acceptance():
-    calibration = Calibration()
-    assert [calibration.band(x) for x in (1.0, 0.8, 0.5, 0.25, 1e-9, 0.0)] == [0, 0, 2, 4, 23, 23]
-    assert calibration.estimate("inner", 0.6) == pytest.approx(0.6)  # no evidence: the raw score
-    for _ in range(24):
-        calibration.observe("inner", 0.6, accepted=False)  # the drafter is overconfident at 0.6
-        calibration.observe("lookup", 0.3, accepted=True)  # the datastore underconfident at 0.3
-    assert calibration.estimate("inner", 0.6) == pytest.approx(8 * 0.6 / 32)
-    assert calibration.estimate("lookup", 0.3) == pytest.approx((24 + 8 * 0.3) / 32)
-    assert calibration.estimate("inner", 0.05) == pytest.approx(0.05)  # another band: untouched
-
-
-def test_a_budget_ranks_by_what_each_source_got_accepted():
-    """Budget 1, one row: the drafter's node 5 (score 0.5) beats the lookup's 9 (0.45) until the steps verified show
-    the drafter's nodes at 0.5 rejected and the lookup's at 0.45 accepted; `update` counts what was verified, under
-    each source that scored it."""
-    scores = torch.tensor([[1.0, 0.5, 0.2, 0.3]])
-    inner = FixedDrafter([[2, 5, 6, 7]])
-    inner.propose = lambda state, base=inner.propose: Draft(tree=INNER, tokens=base(state).tokens, scores=scores)
-    drafter = WithLookup(inner, num_draft=3, datastore=Datastore([[1]]), budget=1)
-    drafter.lookup.scored_nodes = lambda state: [{(9,): 0.45, (5,): 0.1}]
-    drafter.lookup.update = lambda state, draft, result: None
-    state = state_of([[1, 2, 3]], roots=[2])
-    draft = drafter.propose(state)
-    assert draft.tokens.tolist() == [[2, 5]]
-    rejected = VerifyResult(node=torch.tensor([0]), path_index=torch.tensor([0]), num_accepted=torch.tensor([0]),
-                            path=torch.tensor([[0, -1]]), tokens=torch.tensor([[9, -1]]), next_token=torch.tensor([9]))
-    drafter.update(state, draft, rejected)
-    assert drafter.calibration.counts == {("inner", 2): [1.0, 0.0], ("lookup", 6): [1.0, 0.0]}
-    for _ in range(8):
-        drafter.calibration.observe("lookup", 0.45, accepted=True)
-        drafter.calibration.observe("inner", 0.5, accepted=False)
-    assert drafter.propose(state).tokens.tolist() == [[2, 9]]
-
-
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])
 def test_a_budget_decodes_exactly_within_its_node_count(tiny_lm, kind):
     """Batched, left-padded, fp32, a datastore of the target's own answers: with a budget the output equals plain
@@ -234,8 +198,6 @@ def test_a_budget_decodes_exactly_within_its_node_count(tiny_lm, kind):
     assert out.sequences == plain
     assert max(sizes) <= 5 and out.stats.mean_accepted > alone.stats.mean_accepted + 0.2, (
         sizes, alone.stats.mean_accepted, out.stats.mean_accepted)
-    verified = sum(seen for seen, _ in drafter.calibration.counts.values())
-    assert verified >= out.stats.steps - 1  # every step after the first counted its ranked nodes
 
 
 def test_load_takes_a_budget_with_lookup_and_a_datastore_and_refuses_it_otherwise(tmp_path):

@@ -23,11 +23,6 @@ likeliest nodes of the pool are verified: EAGLE-2's rule for one tree, over both
 is sure gives it more nodes and one where the drafter is sure gives the drafter more, within one node count. Each
 source's estimates fall along a path (a child's at most its parent's), so the likeliest nodes form a tree.
 
-The two sources' scores are not on one scale (a product of the drafter's softmax probabilities beside the datastore's
-smoothed counts), so the pool ranks calibrated estimates, learned while serving (`Calibration`): per source and score
-band, the share of the nodes verified that the target accepted, starting from the raw score (a prior of
-`Calibration.prior` nodes) and kept across generations, as a growing datastore keeps what it served.
-
 Drafts of both are deterministic, so greedy verification still returns plain greedy decoding and rejection sampling
 with the one-hot rule stays exact (inference.engine.verify: exact for any deterministic tree). The inner drafter
 advances from the merged tree's accepted path (EAGLE-3 reads the target's features at its nodes, Medusa the final
@@ -36,9 +31,8 @@ hidden state): both work for any tree the target verified.
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from inference.drafters.datastore import Datastore
@@ -48,41 +42,12 @@ from inference.engine.drafter import DecodeState, Draft, Drafter
 from inference.engine.verify import VerifyResult
 
 
-Scores = dict[str, float]  # source ("inner", "lookup") -> that source's score of a node
-
-
 @dataclass(eq=False)
 class WithLookupRun:
     """Each part's own per-run state (DecodeState.drafter_state holds this between steps)."""
 
     inner: Any = None
     lookup: Any = None
-    # with a budget: per row, the token paths ranked within it this step and their sources' scores (for `update`)
-    ranked: list[list[tuple[tuple[int, ...], Scores]]] | None = None
-
-
-@dataclass(eq=False)
-class Calibration:
-    """How often the target accepts a node a source scored x: per source and band of x (`bands_per_halving` bands
-    each time x halves, down to 2**-(bands / bands_per_halving)), the nodes verified and the nodes accepted. The
-    estimate is their ratio with `prior` pseudo-nodes at x itself, so before any evidence it is x."""
-
-    prior: float = 8.0
-    bands: int = 24
-    bands_per_halving: int = 2
-    counts: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (source, band) -> [verified, accepted]
-
-    def band(self, score: float) -> int:
-        return min(self.bands - 1, int(-math.log2(min(max(score, 1e-12), 1.0)) * self.bands_per_halving))
-
-    def estimate(self, source: str, score: float) -> float:
-        verified, accepted = self.counts.get((source, self.band(score)), (0.0, 0.0))
-        return (accepted + self.prior * score) / (verified + self.prior)
-
-    def observe(self, source: str, score: float, accepted: bool) -> None:
-        seen = self.counts.setdefault((source, self.band(score)), [0.0, 0.0])
-        seen[0] += 1.0
-        seen[1] += float(accepted)
 
 
 @contextmanager
@@ -121,7 +86,6 @@ class WithLookup:
             raise ValueError(f"WithLookup: budget ranks the datastore's scores, so it needs a datastore, and is a "
                              f"whole number of nodes >= 1, got {budget!r}")
         self.inner, self.datastore, self.budget = inner, datastore, budget
-        self.calibration = Calibration()  # with a budget: learned from every step verified, kept across generations
         self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, num_draft=num_draft,
                                           datastore=datastore)
         self.needs_hidden = inner.needs_hidden
@@ -153,37 +117,13 @@ class WithLookup:
                              "nodes")
         with part_state(state, run, "lookup"):
             scored = self.lookup.scored_nodes(state)  # [B] dicts: token path -> the datastore's score
-        rows, run.ranked = [], []
-        for paths, inner_scores, found in zip(node_paths(draft), draft.scores[:, 1:].tolist(), scored):
-            pool: dict[tuple[int, ...], Scores] = {path: {"lookup": value} for path, value in found.items()}
+        rows = []
+        for paths, inner_scores, pool in zip(node_paths(draft), draft.scores[:, 1:].tolist(), scored):
             for path, value in zip(map(tuple, paths), inner_scores):
-                pool.setdefault(path, {})["inner"] = value
-            estimate = self.estimates(pool)
-            ranked = sorted(estimate, key=lambda path: (-estimate[path], len(path)))  # ties: parents first
+                pool[path] = max(value, pool.get(path, 0.0))
+            ranked = sorted(pool, key=lambda path: (-pool[path], len(path)))  # ties: parents first
             rows.append(rank_tree(ranked))
-            run.ranked.append([(path, pool[path]) for path in ranked[: self.budget]])
         return tree_draft(draft.tokens[:, 0], rows, merge_rows(rows, self.budget), self._trees)
-
-    def estimates(self, pool: dict[tuple[int, ...], Scores]) -> dict[tuple[int, ...], float]:
-        """Each node's calibrated chance of acceptance: the larger of its sources' (`Calibration.estimate`), and
-        never above its parent's, so the likeliest nodes still form a tree."""
-        estimate = {path: max(self.calibration.estimate(source, score) for source, score in scores.items())
-                    for path, scores in pool.items()}
-        for path in sorted(estimate, key=len):  # parents first
-            parent = path[:-1]
-            if parent in estimate:
-                estimate[path] = min(estimate[path], estimate[parent])
-        return estimate
-
-    def calibrate(self, ranked: list[list[tuple[tuple[int, ...], Scores]]], result: VerifyResult) -> None:
-        """Count each row's nodes ranked within the budget as verified, and those on its accepted path as accepted,
-        under each source that scored them."""
-        for row, tokens, n in zip(ranked, result.tokens.tolist(), result.num_accepted.tolist()):
-            accepted = tuple(tokens[:n])
-            for path, scores in row:
-                hit = accepted[: len(path)] == path
-                for source, score in scores.items():
-                    self.calibration.observe(source, score, hit)
 
     def finish(self, sequences: list[list[int]]) -> None:
         """The generation's answers to both parts that learn from them (a growing datastore; Drafter.finish)."""
@@ -194,9 +134,6 @@ class WithLookup:
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
         run: WithLookupRun = state.drafter_state
-        if run.ranked is not None:
-            self.calibrate(run.ranked, result)
-            run.ranked = None
         with part_state(state, run, "inner"):
             self.inner.update(state, draft, result)
         with part_state(state, run, "lookup"):
