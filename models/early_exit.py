@@ -22,7 +22,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,13 +30,21 @@ from models.buildcache import atomic_dir, build_lock, cache_root, is_complete
 from models.builtin import STOCK_MODULES, ModelLoadError, has_tokenizer, torch_dtype
 from models.quiet import quiet_transformers
 
-if TYPE_CHECKING:  # models.refs calls this module with its refs; importing it here would be a cycle
-    from models.refs import EarlyExitRef
-
 FORMAT_VERSION = 1
 PROVENANCE_FILE = "early_exit.json"
 CACHE_SUBDIR = ("models", "early_exit")
 WEIGHT_PATTERNS = ("config.json", "*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+class EarlyExitName(Protocol):
+    """What this module reads of models.refs.EarlyExitRef (which calls it: importing refs here would close a
+    cycle): the source's name and the layer count; str() is the whole early_exit:<model>:<N> name."""
+
+    @property
+    def source(self) -> object: ...
+
+    @property
+    def layers(self) -> int: ...
 
 
 def build_early_exit_draft(source: str | Path, num_layers: int, out_dir: str | Path, dtype: str | None = None,
@@ -97,7 +105,7 @@ def checked_config(path: str, num_layers: int, where: str):
     return config
 
 
-def ensure_early_exit(ref: EarlyExitRef, source: str | Path, cache_dir: Path | None = None, progress: bool = True
+def ensure_early_exit(ref: EarlyExitName, source: str | Path, cache_dir: Path | None = None, progress: bool = True
                       ) -> Path:
     """The cached folder of the early-exit draft `ref` names, cut from `source` (its source's folder, which
     models.refs.locate found) on first use, under a lock, atomically."""
