@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "scripts").glob("*.md")])
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "scripts").glob("*.md")])
 LINK = re.compile(r"\]\(([^)\s]*)\)")
 
 
@@ -48,3 +48,22 @@ def test_code_fences_stand_alone(page):
     fences = [line for line in lines if line.lstrip().startswith("```")]
     assert not inline, f"{page.relative_to(ROOT)}: a code fence inside a line of text at lines {inline}"
     assert len(fences) % 2 == 0, f"{page.relative_to(ROOT)}: a code block never closed"
+
+
+def test_readme_and_docs_stay_a_users_manual():
+    """The README says what to run within 30 lines and stays under 200; a docs page covers one topic in at most 400
+    lines (measurement history goes to docs/experiments/, dated); none speaks of the place it was written in."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(readme) <= 200, f"README.md: {len(readme)} lines"
+    first_command = next(i for i, line in enumerate(readme) if line.startswith(("pip ", "python ")))
+    assert first_command < 30, f"README.md: the first command is on line {first_command + 1}"
+    long = [f"{p.name}: {n}" for p in (ROOT / "docs").glob("*.md") if (n := len(p.read_text().splitlines())) > 400]
+    assert not long, f"docs pages over 400 lines: {long}"
+    notes = sorted((ROOT / "docs" / "experiments").glob("*.md"))
+    undated = [p.name for p in notes if p.name != "README.md" and not re.match(r"\d{4}-\d\d-\d\d-", p.name)]
+    assert notes and not undated, f"docs/experiments notes without a date: {undated}"
+    index = (ROOT / "docs" / "experiments" / "README.md").read_text()
+    assert not [p.name for p in notes if p.name != "README.md" and f"({p.name})" not in index], "a note not indexed"
+    workplace = [f"{p.relative_to(ROOT)}:{i + 1}" for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+                 for i, line in enumerate(p.read_text().splitlines()) if re.search(r"session", line, re.I)]
+    assert not workplace, f"pages that speak of sessions: {workplace}"
