@@ -25,7 +25,8 @@ from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_e
 from tests.conftest import build_tiny_lm, tiny_config
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
-from train.eagle3 import ChainCounter, Eagle3TrainModule, RankCounter, eagle3_loss, record_ranks, soft_targets
+from train.eagle3 import ChainCounter, Eagle3TrainModule, RankCounter, eagle3_loss, record_ranks
+from train.eagle3_teacher import TopkTeacher, soft_targets
 from train.medusa1 import greedy_continuations
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -106,7 +107,8 @@ def test_loss_offsets_and_soft_targets():
     labels[:, :3] = -100
     topk_ids = torch.randint(0, 128, (b, t, 4))
     topk_probs = torch.rand(b, t, 4).softmax(-1)
-    out = eagle3_loss(draft, hidden, embeds, labels, topk_ids, topk_probs, steps=2, decay=0.8, soft_weight=1.0)
+    out = eagle3_loss(draft, hidden, embeds, labels, TopkTeacher(topk_ids, topk_probs), steps=2, decay=0.8,
+                      soft_weight=1.0)
     assert out.loss.requires_grad and torch.isfinite(out.loss)
     out.loss.backward()
     assert draft.fc.weight.grad is not None and draft.fc.weight.grad.abs().sum() > 0

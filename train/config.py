@@ -31,6 +31,7 @@ CllmDivergence = choice("CllmDivergence", "kl", "soft_ce", module=__name__)
 ArSource = choice("ArSource", "ground_truth", "target_output", "both", module=__name__)  # data.jacobi.AR_SOURCES
 ArLoss = choice("ArLoss", "ce", "kl", module=__name__)
 DistillDivergence = choice("DistillDivergence", "fkl", "rkl", "jsd", "tvd", module=__name__)
+Eagle3Teacher = choice("Eagle3Teacher", "topk", "full", module=__name__)  # train.eagle3_teacher.TEACHERS
 
 
 @dataclass
@@ -233,6 +234,9 @@ class Eagle3MethodConfig:
     # S: the draft predicts over the S most frequent train-label tokens; null: min(32000, V) (EAGLE-3's size)
     draft_vocab: Optional[int] = None
     soft_labels: float = 1.0  # w: w · CE(target's distribution) + (1 - w) · CE(data's next token)
+    # the soft term's target distribution: topk, the target's 20 most likely tokens (a cache's features.topk) | full,
+    # its whole distribution over the draft vocabulary, from its lm_head over the last hidden state (any cache)
+    teacher: Eagle3Teacher = Eagle3Teacher.topk
     # start as the target's own head: lm_head rows and final norm copied, fc passing the highest fused layer through
     init_from_lm_head: bool = True
     # the draft layer's MLP width; null: the target's intermediate_size (EAGLE-3's and SpecForge's default)

@@ -4,10 +4,10 @@ trained with training-time test.
 Loss (EAGLE-3, Li et al. 2025, sec. 3; SpecForge's weighting): the draft is unrolled for n = method.ttt_steps steps
 over each sequence, step j feeding back its own outputs with the embedding of the true token x_{t+1+j}:
     L = Σ_{j<n} λ^j · [w · CE(draft_j(t), p_{t+1+j}) + (1 - w) · CE(draft_j(t), x_{t+2+j})]
-p is the target's next-token distribution at t+1+j restricted to the draft vocabulary and renormalised (from the
-cache's top-k, or from the target's logits when training online), w = method.soft_labels, λ = method.decay. A position
-counts where token t+2+j is trained (an assistant token) and, for the soft term, where some of the target's top-k lies
-in the draft vocabulary.
+p is the target's next-token distribution at t+1+j restricted to the draft vocabulary and renormalised
+(train/eagle3_teacher.py: its top-k, or with method.teacher=full its whole distribution), w = method.soft_labels,
+λ = method.decay. A position counts where token t+2+j is trained (an assistant token) and, for the soft term, where
+some of the teacher's mass lies in the draft vocabulary.
 
 Step j's top-1 agreement with the target's argmax, counted where the drafts of steps < j at the same position were
 all right, is the acceptance a_j of depth j+1 of a greedy chain; a chain of depth d then yields
@@ -39,14 +39,14 @@ from models.checkpoint import most_frequent
 from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
 from models.loading import model_config
 from train.distributed import gathered
-from train.medusa1 import ContinuationWalk, greedy_continuations, hit_rank, spread_topk
+from train.eagle3_teacher import SOFT_TOPK, Teacher, TopkTeacher, full_teacher
+from train.medusa1 import ContinuationWalk, greedy_continuations, hit_rank
 from train.method import StepOutput, TokenCounts
 
 log = logging.getLogger("draftsmith")
 
 DEFAULT_DRAFT_VOCAB = 32000  # EAGLE-3's (capped at the target's vocabulary)
 RANKS = 10  # candidates per depth whose hit rates evaluation records (the engine's trees use ranks < 10)
-SOFT_TOPK = 20  # online soft labels: the target's top-k, as a feature cache stores them
 
 
 class Eagle3TrainModule(nn.Module):
@@ -64,33 +64,31 @@ class Eagle3TrainModule(nn.Module):
 
     @torch.no_grad()
     def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...],
-                        soft: bool = True) -> dict[str, torch.Tensor]:
-        """Online (no cache): the target's layers [B, T, D] each and, with `soft`, its top-k next-token distribution
-        [B, T, k], as a feature cache would hold them."""
-        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=list(layers),
-                          logits_to_keep=0 if soft else 1)
+                        teacher: str | None = "topk") -> dict[str, torch.Tensor]:
+        """Online (no cache): the target's layers [B, T, D] each and what `teacher` reads, as a feature cache would
+        hold them: topk, its top-k next-token distribution [B, T, k]; full, its last post-norm hidden state [B, T, D]
+        (`hidden`, what its lm_head reads); None, nothing more."""
+        last = int(target_text_config(self.target)["num_hidden_layers"])  # hidden_states[last]: after the final norm
+        wanted = sorted({*layers, last}) if teacher == "full" else list(layers)
+        out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=wanted,
+                          logits_to_keep=0 if teacher == "topk" else 1)
         batch = {f"layer_{i}": out.hidden_states[i].float() for i in layers}
-        if not soft:
-            return batch
-        top = out.logits.float().softmax(-1).topk(SOFT_TOPK, dim=-1)
-        return {**batch, "topk_ids": top.indices, "topk_probs": top.values}
-
-
-def soft_targets(draft: Eagle3Draft, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids / topk_probs [N, k] -> (probabilities over the draft vocabulary [N, S], renormalised over the ids
-    inside it; whether any mass fell inside [N])."""
-    return spread_topk(draft.draft_index(topk_ids), topk_probs, draft.config.draft_vocab_size)
+        if teacher == "full":
+            return {**batch, "hidden": out.hidden_states[last].float()}
+        if teacher == "topk":
+            top = out.logits.float().softmax(-1).topk(SOFT_TOPK, dim=-1)
+            return {**batch, "topk_ids": top.indices, "topk_probs": top.values}
+        return batch
 
 
 def eagle3_loss(draft: Eagle3Draft, hidden: torch.Tensor, embeds: torch.Tensor, labels: torch.Tensor,
-                topk_ids: torch.Tensor | None, topk_probs: torch.Tensor | None, steps: int, decay: float,
-                soft_weight: float) -> StepOutput:
+                teacher: Teacher | None, steps: int, decay: float, soft_weight: float) -> StepOutput:
     """The module docstring's loss. hidden [B, T, L*D] concatenated target layers, embeds [B, T, D], labels [B, T]
-    unshifted (-100: untrained), topk_* [B, T, k] the target's distribution at t (for token t+1) or None (hard labels
-    only: soft_weight must be 0). Metrics per step: loss, top-1 agreement with the target's argmax (or the data's
-    next token without soft labels), and the chain τ they imply."""
-    if soft_weight > 0 and topk_ids is None:
-        raise ValueError("eagle3_loss: soft_weight > 0 needs the target's soft labels (topk_ids, topk_probs)")
+    unshifted (-100: untrained), teacher the target's distribution at t (for token t+1) or None (hard labels only:
+    soft_weight must be 0). Metrics per step: loss, top-1 agreement with the target's argmax (or the data's next
+    token without a teacher), and the chain τ they imply."""
+    if soft_weight > 0 and teacher is None:
+        raise ValueError("eagle3_loss: soft_weight > 0 needs the target's distribution (a teacher)")
     b, t = labels.shape
     outputs = draft.unroll(draft.fuse(hidden), embeds, steps)  # steps x [B, T, D]
     loss = hidden.new_zeros((), dtype=torch.float32)
@@ -105,15 +103,15 @@ def eagle3_loss(draft: Eagle3Draft, hidden: torch.Tensor, embeds: torch.Tensor, 
             continue
         logits = draft.logits(out[:, : t - shift][keep]).float()  # [N, S]
         hard = draft.draft_index(labels[:, shift:][keep])  # [N]; -1 outside the draft vocabulary
-        if topk_ids is not None:
-            ids, probs = topk_ids[:, shift - 1 : t - 1][keep], topk_probs[:, shift - 1 : t - 1][keep].float()  # [N, k]
-            soft, inside = soft_targets(draft, ids, probs)
-            reference = draft.draft_index(ids[:, 0])  # the target's argmax
+        if teacher is not None:
+            soft = teacher.rows(draft, shift - 1, keep)  # the target's distribution at t + 1 + j, [N, S]
+            inside, reference = soft.inside, soft.argmax
         else:
             inside, reference = hard >= 0, hard
         ce = logits.new_zeros(())
         if soft_weight > 0 and inside.any():
-            soft_ce = F.cross_entropy(logits[inside], soft[inside])
+            scored, target = (logits, soft.probs) if inside.all() else (logits[inside], soft.probs[inside])
+            soft_ce = F.cross_entropy(scored, target)
             metrics[f"step{j + 1}_soft_loss"] = soft_ce.detach()
             ce = ce + soft_weight * soft_ce
         if soft_weight < 1 and (hard >= 0).any():
@@ -232,7 +230,7 @@ def record_ranks(model: Eagle3TrainModule, layers: tuple[int, ...], input_ids: t
     ids = torch.stack([pad(i, 0) for i, _ in rows])
     mask = torch.stack([pad(torch.ones_like(i), 0) for i, _ in rows])
     lab = torch.stack([pad(label, IGNORE_INDEX) for _, label in rows])
-    feats = model.target_features(ids, mask, layers, soft=False)  # the labels are the greedy tokens
+    feats = model.target_features(ids, mask, layers, teacher=None)  # the labels are the greedy tokens
     hidden = torch.cat([feats[f"layer_{i}"] for i in layers], dim=-1)
     outputs = model.draft.unroll(model.draft.fuse(hidden), model.embed(ids), depth)
     counter.start()
@@ -268,8 +266,9 @@ class Method(TokenCounts):
     # -- what the run reads ----------------------------------------------------------------------------------------
 
     def feature_needs(self) -> tuple[list[int], bool]:
-        """(layers, soft labels) a feature cache must hold for this run."""
-        return list(self.layers), self.m.soft_labels > 0
+        """(layers, top-k soft labels) a feature cache must hold for this run (the full teacher reads the last hidden
+        state, which every cache holds)."""
+        return list(self.layers), self.m.soft_labels > 0 and self.m.teacher == "topk"
 
     def build(self, target: nn.Module, tokenizer: Any) -> Eagle3TrainModule:
         text = target_text_config(target)
@@ -299,16 +298,25 @@ class Method(TokenCounts):
     def _inputs(self, model: Eagle3TrainModule, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch with the target's features: a cache's as they are, else from one no-grad target forward."""
         if f"layer_{self.layers[0]}" not in batch:
-            batch = {**batch, **model.target_features(batch["input_ids"], batch["attention_mask"], self.layers)}
+            teacher = str(self.m.teacher) if self.m.soft_labels > 0 else None
+            batch = {**batch, **model.target_features(batch["input_ids"], batch["attention_mask"], self.layers,
+                                                      teacher)}
         return batch
+
+    def _teacher(self, model: Eagle3TrainModule, batch: dict[str, torch.Tensor]) -> Teacher | None:
+        """method.teacher over this batch (None: no soft term, or a top-k teacher without stored soft labels)."""
+        if self.m.soft_labels == 0:
+            return None
+        if self.m.teacher == "full":  # the target's frozen lm_head over its last hidden state (a cache's `hidden`)
+            return full_teacher(model.draft, model.target.get_output_embeddings(), batch["hidden"], batch["labels"])
+        return TopkTeacher(batch["topk_ids"], batch["topk_probs"]) if "topk_ids" in batch else None
 
     def _loss(self, model: Eagle3TrainModule, batch: dict[str, torch.Tensor], steps: int) -> StepOutput:
         batch = self._inputs(model, batch)
         hidden = torch.cat([batch[f"layer_{i}"] for i in self.layers], dim=-1)  # [B, T, L*D]
-        soft = self.m.soft_labels > 0 and "topk_ids" in batch
-        return eagle3_loss(model.draft, hidden, model.embed(batch["input_ids"]), batch["labels"],
-                           batch.get("topk_ids") if soft else None, batch.get("topk_probs") if soft else None,
-                           steps, self.m.decay, self.m.soft_labels if soft else 0.0)
+        teacher = self._teacher(model, batch)
+        return eagle3_loss(model.draft, hidden, model.embed(batch["input_ids"]), batch["labels"], teacher, steps,
+                           self.m.decay, self.m.soft_labels if teacher is not None else 0.0)
 
     def forward_loss(self, model: Eagle3TrainModule, batch: dict[str, torch.Tensor]) -> StepOutput:
         model.target.eval()
