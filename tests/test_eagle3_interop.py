@@ -152,7 +152,7 @@ def as_specforge(raw: dict) -> None:
 
 # -- round trips -------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_then_import_is_lossless(tmp_path, arch, dtype):
     draft = random_draft(arch).to(dtype)
@@ -331,25 +331,28 @@ def test_bad_imports_are_one_line_and_write_nothing(tmp_path, capsys, case):
     assert not (tmp_path / "dst").exists()
 
 
-def _corrupt_ours(path: Path) -> None:
+def _corrupt_ours(path: Path, case: str) -> None:
+    """corrupt d2t: a draft id mapped below 0; own layer: a q/k/v bias, as a draft built from a Qwen2 target's own
+    decoder layer held it (the draft layer is a Llama layer for every target now)."""
     state = load_file(str(path / "drafter.safetensors"))
-    state["d2t"][0] = -5
+    if case == "corrupt d2t":
+        state["d2t"][0] = -5
+    else:
+        state["midlayer.self_attn.k_proj.bias"] = torch.zeros(16)
     save_file(state, str(path / "drafter.safetensors"))
 
 
 @pytest.mark.parametrize("case, message", [
-    ("qwen2", "midlayer.self_attn.k_proj.bias: the LlamaForCausalLMEagle3 layer has no such bias"),
-    ("qwen3", "midlayer.self_attn.k_norm.weight: the LlamaForCausalLMEagle3 layer has no such per-head q/k norm"),
+    ("own layer", "(unexpected midlayer.self_attn.k_proj.bias); it holds its target's own layer"),
     ("two layers", "fuse exactly 3 target layers"),
     ("embedding layer", "hidden_states[0] and [4] cannot be named"),
     ("corrupt d2t", "drafter.safetensors: d2t: ids must lie in [0, 100)"),
 ])
 def test_bad_exports_are_one_line_and_write_nothing(tmp_path, capsys, case, message):
-    arch = case if case in ("qwen2", "qwen3") else "llama"
     layers = {"two layers": (1, 2), "embedding layer": (0, 1, 2)}.get(case, LAYERS)
-    ours = save_ours(tmp_path / "ours", random_draft(arch, layers=layers))
-    if case == "corrupt d2t":
-        _corrupt_ours(ours)
+    ours = save_ours(tmp_path / "ours", random_draft("qwen2" if case == "own layer" else "llama", layers=layers))
+    if case in ("corrupt d2t", "own layer"):
+        _corrupt_ours(ours, case)
     capsys.readouterr()
     assert convert_main(["eagle3-export", str(ours), str(tmp_path / "dst")]) == 2
     err = capsys.readouterr().err

@@ -35,7 +35,7 @@ from inference.engine.cache import additive, new_cache
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.tree import TreeBuffers, TreeError, build_tree, greedy_tree_choices, load_tree
 from inference.engine.verify import VerifyResult
-from models.eagle3 import Eagle3Draft
+from models.eagle3 import Eagle3Draft, token_lookup
 
 MAX_DEPTH = 16  # deepest tree an EAGLE-3 drafter drafts
 MAX_RANK = 10  # candidates per node a tree may use (ranks 0..9)
@@ -228,7 +228,7 @@ class DraftRun:
 
 class Eagle3Drafter:
     """Drafts `tree` (static buffers or a DynamicTree) with an Eagle3Draft; `embed` is the target's input embedding
-    (the draft's token inputs)."""
+    module, read through `token_lookup` (its table's rows: the draft's token inputs)."""
 
     needs_hidden = False
 
@@ -236,7 +236,7 @@ class Eagle3Drafter:
         check_fits(tree, draft.config.draft_vocab_size)
         self.draft = draft
         self.tree = tree
-        self.embed = embed
+        self.embed = token_lookup(embed)
         self.feature_layers = tuple(draft.config.layers)
         self.levels = [] if isinstance(tree, DynamicTree) else plan_levels(tree)
         self.vocab = draft.vocab_ids.to(draft.fc.weight.device)  # [S] draft id -> target id
