@@ -167,6 +167,12 @@ def default_layers(num_hidden_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(2, n), max(n // 2, 1), max(n - 3, 1)}))  # a shallow target has fewer distinct taps
 
 
+def fused_layers(setting: Sequence[int] | None, num_hidden_layers: int) -> tuple[int, ...]:
+    """A `method.layers` setting resolved for a target of `num_hidden_layers`: null gives EAGLE-3's
+    `default_layers` (a 30-layer SmolLM2: 2, 15, 27; 32 layers: 2, 16, 29), a list is taken as it is."""
+    return default_layers(num_hidden_layers) if setting is None else tuple(int(i) for i in setting)
+
+
 def target_text_config(target: nn.Module) -> dict[str, Any]:
     config = target.config.get_text_config()
     return config.to_dict()
