@@ -2,8 +2,6 @@
 
     python scripts/step_cost.py --base smollm2 --dtype fp32
     python scripts/step_cost.py --base smollm2 --dtype fp32 --nodes 0,1,2,4,8,16,32 --context 512
-    python scripts/lookup_walk.py --base smollm2 --datastore sharegpt_v3 --min-expected 0,1,1.5 \
-        --forward-ms "$(python scripts/step_cost.py --base smollm2 --dtype fp32 --quiet)"
 
 The target prefills --context random tokens, then runs, as the engine's loop does (inference.engine.step_cost), one
 forward over the root and a chain of k drafted nodes for each k of --nodes, --repeats times after a warm-up; the
@@ -11,7 +9,7 @@ median of each is printed with its ratio to a plain step (k = 0) and the break-e
 k nodes must accept on average to beat plain decoding, t(k) / t(0) - 1. That is the value of prompt lookup's
 `min_expected` option for num_draft = k on this host (inference.drafters.prompt_lookup); the least-squares cost of one
 drafted node in plain steps is its `node_cost` option (each step's nodes cut to as many as pay). The last line is the
-curve as K:MS items, the form scripts/lookup_walk.py's --forward-ms reads; --quiet prints only that line.
+curve as K:MS items (--quiet prints only that line), for scripts that replay answers against it.
 
 --against-stock also times the loop with its CPU kernels off (stock `F.linear`, the engine's --no-cpu-kernel): the
 two curves alternate, --rounds times each, and each size's figure is the median of its rounds' medians, with the

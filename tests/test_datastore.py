@@ -37,7 +37,6 @@ from models.checkpoint import save_drafter
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.data_support import tiny_tokenizer
 from tests.model_support import save_tiny_model
-from tests.script_support import load_script
 from tests.test_draft_model import left_pad
 from tests.test_generate import random_heads
 from tests.test_lookahead import repetitive_prompts
@@ -560,7 +559,7 @@ def test_a_datastore_is_a_load_option_never_a_spec_option(tmp_path):
     with pytest.raises(UsageError, match="prompt_lookup: unknown option 'datastore'"):
         build_training_free("prompt_lookup", {"datastore": "x"})
     source = sharegpt_file(tmp_path, [chat("hi", "hello")])
-    with pytest.raises(UsageError, match="datastore does not apply to drafter 'lookahead'; it applies to eagle3, "
+    with pytest.raises(UsageError, match="datastore= does not apply to drafter 'lookahead'; it applies to eagle3, "
                                          "medusa, prompt_lookup"):
         resolve("lookahead", base="builtin:tiny").check(LoadOptions(datastore=source))
     with pytest.raises(UsageError, match="datastore=.*nope: no such file or folder"):
@@ -742,91 +741,3 @@ def test_several_text_sources_checked_first_are_each_parsed_once(tmp_path, monke
         check_source(source)
     assert [answer_texts(source) for source in sources] == [(f"answer {i}",) for i in range(3)]
     assert len(calls) == 3
-
-
-@pytest.mark.parametrize("num_draft, request_weight, min_expected, node_cost", [
-    (3, 0, 0.0, 0.0), (6, 0, 0.0, 0.0), (6, 10, 0.0, 0.0), (6, 10, 1.0, 0.0), (6, 10, 0.0, 0.1)])
-def test_the_lookup_walk_script_replays_the_engine(tiny_lm, num_draft, request_weight, min_expected, node_cost):
-    """scripts/lookup_walk.py: replaying the target's greedy answers gives the engine's τ (target forwards, the
-    prefill included) for prompt lookup with a datastore, without a tree forward, the request's own text counted in
-    the datastore's or not, drafting every step, only where it expects enough accepted, or as many nodes as pay; and
-    the nodes it drafts."""
-    script = load_script("lookup_walk")
-    prompts, others = repetitive_prompts(21, 4), repetitive_prompts(22, 6)
-    config = DecodeConfig(max_new_tokens=24)
-    other_ids, other_mask = left_pad(others)
-    store = Datastore(generate(tiny_lm, other_ids, None, config, attention_mask=other_mask).sequences,
-                      request_weight=request_weight)
-    tokens = forwards = walked_tokens = walked_forwards = 0
-    drafted: list[int] = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        drafter = PromptLookupDrafter(num_draft=num_draft, datastore=store, min_expected=min_expected,
-                                      node_cost=node_cost)
-        out = generate(tiny_lm, ids, drafter, config)
-        tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
-        t, f = script.walk(prompt, out.sequences[0], script.Drafts(num_draft, store, min_expected=min_expected,
-                                                                   node_cost=node_cost), num_draft, drafted)
-        walked_tokens, walked_forwards = walked_tokens + t, walked_forwards + f
-    assert (walked_tokens, walked_forwards) == (tokens, forwards)
-    assert tokens / forwards > 1.2  # drafts were accepted
-    assert len(drafted) == forwards - len(prompts) and 0 < max(drafted) <= num_draft  # a count a step
-
-
-def test_the_lookup_walk_replays_a_growing_datastore_as_the_engine_serves_it(tiny_lm):
-    """scripts/lookup_walk.py's growing rows: the walk over prompts in order, each answer joining the datastore once
-    replayed, gives the τ of the engine serving them one after another with datastore_grow; from nothing it beats
-    prompt lookup alone when prompts repeat their kind."""
-    script = load_script("lookup_walk")
-    prompts = repetitive_prompts(23, 4) + repetitive_prompts(23, 4)[:2]  # two are asked again
-    config = DecodeConfig(max_new_tokens=24)
-    drafter = PromptLookupDrafter(num_draft=4, datastore=Datastore([], max_served=10_000))
-    tokens = forwards = 0
-    cases = []
-    for prompt in prompts:
-        out = generate(tiny_lm, torch.tensor([prompt]), drafter, config)
-        tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.target_forwards
-        cases.append((prompt, out.sequences[0]))
-    assert drafter.datastore.num_served == len(prompts)
-    growing = script.Drafts(4, Datastore([], max_served=10_000))
-    assert script.walk_all(cases, growing, 4) == pytest.approx(tokens / forwards, abs=1e-12)
-    assert script.walk_all(cases, script.Drafts(4, None), 4) < tokens / forwards
-
-
-def test_the_lookup_walk_refuses_a_bad_datastore_or_smoothing_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    script = load_script("lookup_walk")
-    monkeypatch.setattr(script, "load", lambda *a, **k: pytest.fail("the model loaded"))
-    good, missing = sharegpt_file(tmp_path, [chat("hi", "hello")]), str(tmp_path / "nope")
-    for spec, needle in ((f"{good},{missing}", f"--datastore={missing}: no such file or folder"),
-                         (f"{good},", "--datastore='")):
-        assert script.main(["--base", "builtin:tiny", "--datastore", good, "--datastore", spec]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
-    with pytest.raises(SystemExit) as exited:  # argparse's own line, before anything loads
-        script.main(["--base", "builtin:tiny", "--datastore", good, "--datastore-smoothing", "witten_bell,kneser_ney"])
-    assert exited.value.code == 2
-    needle = "--datastore-smoothing takes a comma list of witten_bell, longest, got 'kneser_ney'"
-    assert needle in capsys.readouterr().err
-    args = script.parse_args(["--base", "x", "--datastore-smoothing", "longest,witten_bell"])
-    assert args.smoothings == ["longest", "witten_bell"]
-    assert script.row_name("sharegpt_v3", ("longest", 0.0), args) == "sharegpt_v3 (longest)"
-    with pytest.raises(SystemExit):
-        script.main(["--base", "builtin:tiny", "--datastore", good, "--datastore-request-weight", "0,-1"])
-    assert "--datastore-request-weight takes a comma list of numbers >= 0, got '0,-1'" in capsys.readouterr().err
-    args = script.parse_args(["--base", "x", "--datastore-request-weight", "0,10"])
-    assert args.weights == [0.0, 10.0] and args.smoothings == ["witten_bell"]
-    assert script.row_name("sharegpt_v3", ("witten_bell", 10.0), args) == "sharegpt_v3 (request ×10)"
-    for flag, value, needle in (("--min-expected", "1,-1", "--min-expected takes a comma list of numbers >= 0, got "
-                                                           "'1,-1'"),
-                                ("--node-cost", "0.1,0", "--node-cost takes a comma list of numbers > 0, got "
-                                                         "'0.1,0'"),
-                                ("--forward-ms", "1:100,8:200", "--forward-ms: need drafted-node counts ascending "
-                                                                "from 0")):
-        with pytest.raises(SystemExit):
-            script.main(["--base", "builtin:tiny", "--datastore", good, flag, value])
-        assert needle in capsys.readouterr().err
-    args = script.parse_args(["--base", "x", "--min-expected", "0,1.5", "--forward-ms", "0:90,8:200"])
-    assert args.thresholds == [0.0, 1.5] and args.costs.ms(4) == pytest.approx(145) and args.node_costs == []
-    assert script.parse_args(["--base", "x", "--node-cost", "0.07,0.1"]).node_costs == [0.07, 0.1]
-    args.weights = [10.0]
-    assert script.row_name("sharegpt_v3", ("witten_bell", 10.0), args) == "sharegpt_v3"

@@ -25,7 +25,6 @@ from models.early_exit import build_early_exit_draft, ensure_early_exit
 from models.loading import ModelLoadError
 from models.refs import BuiltinRef, ConfRef, EarlyExitRef, LocalRef, locate, model_settings, parse_model
 from tests.model_support import save_tiny_model
-from tests.script_support import load_script
 from tests.test_distill import ROOT, WORDS
 from tests.test_draft_model import left_pad, plain_greedy
 
@@ -246,41 +245,3 @@ def test_distill_an_early_exit_draft_with_the_chat_models_recipe(sources, alpaca
     engine = load(out, dtype="fp32")
     prompt = [5, 6, 7, 8]
     assert engine.generate(prompt, 10, ignore_eos=True).sequences[0] == plain_greedy(load_lm(target), prompt, 10)
-
-
-@pytest.mark.parametrize("gamma", [1, 2, 4])
-def test_acceptance_script_replays_the_engine(sources, gamma):
-    """scripts/early_exit_acceptance.py: the target forwards it derives from one teacher-forced pass equal the
-    engine's own count when decoding with the early-exit draft."""
-    script = load_script("early_exit_acceptance")
-    target = load_lm(sources["llama"])
-    draft = load_lm(ensure(f"early_exit:{sources['llama']}:3"))
-    accepted = []
-    for prompt in ([5, 6, 7], [40, 41, 42, 43, 44]):
-        out = generate(target, torch.tensor([prompt]), DraftModelDrafter(draft, gamma), DecodeConfig(max_new_tokens=24))
-        answer = out.sequences[0]
-        matches = script.exit_matches(target, prompt, answer, [3])[3]
-        assert script.chain_tau(matches, gamma) == (out.stats.target_forwards, out.stats.steps)
-        assert answer == plain_greedy(target, prompt, 24)
-        accepted += [a for step in out.stats.accepted for a in step]
-    assert min(accepted) == 0 and max(accepted) >= 1  # drafts both rejected and accepted
-
-
-def test_chain_tau_by_hand():
-    script = load_script("early_exit_acceptance")
-    # 8 new tokens: prefill gives token 0; drafts for tokens 1.. match as listed
-    matches = [True, True, False, True, True, True, True]
-    assert script.chain_tau(matches, 4) == (3, 2)  # accept 1,2 + bonus 3; accept 4..7 (run capped at 4) -> done
-    assert script.chain_tau(matches, 1) == (5, 4)  # 1+bonus 2 | 3 rejected, bonus 3 | 4+5 | 6+7
-    assert script.chain_tau([False] * 7, 3) == (8, 7)  # nothing accepted: one token per forward
-
-
-def test_acceptance_script_scores_a_draft_model_like_its_exit_layer(sources):
-    """--draft: the draft model's own teacher-forced verdicts; for the untrained early-exit draft they are the exit
-    layer's."""
-    script = load_script("early_exit_acceptance")
-    target = load_lm(sources["llama"])
-    draft = load_lm(ensure(f"early_exit:{sources['llama']}:2"))
-    prompt = [5, 6, 7]
-    answer = plain_greedy(target, prompt, 16)
-    assert script.draft_matches(draft, prompt, answer) == script.exit_matches(target, prompt, answer, [2])[2]

@@ -250,22 +250,6 @@ def test_eagle3_trains_and_serves_losslessly(model_dir, data_file, full_cache, t
     plain = load(None, base=str(model_dir), dtype="fp32")
     prompt = [[5, 9, 12, 7, 30]]
     assert engine.generate(prompt, max_new_tokens=12).sequences == plain.generate(prompt, max_new_tokens=12).sequences
-    if source == "cache":  # scripts/eagle3_walk.py: the walk over what the engine served equals the engine's τ
-        questions = tmp_path / "q.jsonl"
-        questions.write_text("".join(json.dumps({"question_id": i, "category": "code", "turns": [t]}) + "\n"
-                                     for i, t in enumerate(["def add(a, b):", "import os\nimport sys"])))
-        walk = [sys.executable, "scripts/eagle3_walk.py", "--drafter", str(out), "--questions", str(questions),
-                "--max-new-tokens", "24", "--threads", "1"]
-        rows = {line.split()[0]: line.split()[1:] for line in run(walk + ["--also", "chain:2"]).stdout.splitlines()[2:]}
-        nodes, engine_tau, walk_tau = rows["default"]
-        assert int(nodes) == 16 and float(engine_tau) == float(walk_tau)
-        assert len(rows["chain:2"]) == 3  # nodes, walk, mean: no engine run for a further tree
-        for bad, message in ((["--tree", "dynamic"], "the walk replays static trees"),
-                             (["--features", str(tmp_path)], "no held-out prompts there")):
-            result = run(walk[:4] + bad, expect_ok=False)
-            assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
-        result = run(walk[:3] + [str(tmp_path)], expect_ok=False)  # not a checkpoint: refused before a model loads
-        assert result.returncode == 2 and "config.json: missing" in result.stderr.strip().splitlines()[-1]
 
 
 def test_eagle3_refuses_a_cache_without_its_layers(model_dir, data_file, tmp_path):
