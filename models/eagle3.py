@@ -56,6 +56,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 from models.checkpoint import (CONFIG_NAME, TOKEN_COUNTS_NAME, WEIGHTS_NAME, CheckpointError, DrafterMismatchError,
                                Payload, read_drafter_config, write_checkpoint)
 from models.medusa import check_vocab_ids
+from models.ttt_attention import ttt_attention
 
 
 class Eagle3ConfigError(ValueError):
@@ -269,7 +270,6 @@ class Eagle3Draft(nn.Module):
         Step j reads the embedding of x_{t+1+j} (zeros past the end: those positions have no label)."""
         b, t, _ = hidden.shape
         positions = torch.arange(t, device=hidden.device)[None].expand(b, t)
-        causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()  # [T, T]
         attn = self.midlayer.self_attn
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -282,7 +282,7 @@ class Eagle3Draft(nn.Module):
             q, k = self._rotary(q, k, cos, sin)
             keys.append(k)
             values.append(v)
-            context = _unrolled_attention(q, keys, values, causal, attn.scaling)  # [B, T, H * Hd]
+            context = ttt_attention(q, keys, values, attn.scaling)  # [B, T, H * Hd]
             hidden = self._mlp(hidden + attn.o_proj(context))
             outputs.append(hidden)
         return outputs
@@ -294,35 +294,6 @@ def _project(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     shape = (b, t, -1, attn.head_dim)
     q, k, v = (getattr(attn, f"{n}_proj")(x).view(shape) for n in "qkv")
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-
-def _unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], causal: torch.Tensor,
-                        scaling: float) -> torch.Tensor:
-    """Step j = len(keys) - 1: query t sees keys[0] at <= t (causal) and keys[1..j] at t (its own chain).
-    q [B, H, T, Hd]; keys / values [B, Hkv, T, Hd] each -> [B, T, H * Hd]. Step 0 is plain causal attention (torch's
-    fused kernel); later steps add the j chain scores to the causal block's softmax without concatenating the
-    [B, H, T, T] scores (one exp over the block, the running maximum shared)."""
-    b, h, t, hd = q.shape
-    groups = h // keys[0].shape[1]
-    if len(keys) == 1:
-        out = F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scaling,
-                                             enable_gqa=groups > 1)  # [B, H, T, Hd]
-        return out.transpose(1, 2).reshape(b, t, h * hd)
-
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-    q = q * scaling
-    scores = torch.matmul(q, heads(keys[0]).transpose(-1, -2))  # [B, H, T, T]
-    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-    chain = torch.stack([(q * heads(k)).sum(-1) for k in keys[1:]], dim=-1)  # [B, H, T, j]
-    top = torch.maximum(scores.amax(-1), chain.amax(-1)).detach()[..., None]  # [B, H, T, 1]
-    block, own = torch.exp(scores - top), torch.exp(chain - top)  # [B, H, T, T], [B, H, T, j]
-    out = torch.matmul(block, heads(values[0]))  # [B, H, T, Hd]
-    for i, v in enumerate(values[1:]):
-        out = out + own[..., i : i + 1] * heads(v)
-    out = out / (block.sum(-1, keepdim=True) + own.sum(-1, keepdim=True))
-    return out.transpose(1, 2).reshape(b, t, h * hd)
 
 
 def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int, where: str) -> torch.Tensor:
