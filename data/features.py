@@ -152,8 +152,9 @@ def check_cache(folder: str | os.PathLike, target: dict[str, Any] | None = None,
         raise FeatureCacheError(f"{where}: made with another tokenizer or chat template")
     missing = sorted(set(need_layers) - set(manifest.layers))
     if missing:
-        raise FeatureCacheError(f"{where}: holds layers {manifest.layers}, this run needs {missing} "
-                                f"(extract with features.layers={sorted(set(manifest.layers) | set(need_layers))})")
+        raise FeatureCacheError(f"{where}: holds layers {manifest.layers}, this run needs {missing} too (it reads "
+                                f"layers {sorted(set(need_layers))}); extract them with `python -m train features` "
+                                f"method.layers={sorted(set(manifest.layers) | set(need_layers))}")
     if need_topk and not manifest.topk:
         raise FeatureCacheError(f"{where}: holds no soft labels (features.topk=0); this run needs them")
     return manifest

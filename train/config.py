@@ -213,8 +213,9 @@ class FeaturesConfig:
 
     name: str = "features"
     # extra hidden states to keep, numbered as transformers' hidden_states (0: embeddings, i: after decoder layer i);
-    # the last layer's post-norm state is always kept. EAGLE-3 drafters read a low, a middle and a high layer.
-    layers: list[int] = field(default_factory=list)
+    # the last layer's post-norm state is always kept. EAGLE-3 drafters read a low, a middle and a high layer: null
+    # keeps EAGLE-3's 2, N/2, N-3 for the target's N layers (models.eagle3.fused_layers).
+    layers: Optional[list[int]] = field(default_factory=list)
     topk: int = 20  # soft labels: the target's k most likely next tokens per position (0: none)
     dtype: Dtype = Dtype.bf16  # storage dtype of the hidden states (the forward runs in model.dtype)
     batch_tokens: int = 8192  # padded tokens per forward (samples of similar length batched together)
@@ -227,8 +228,9 @@ class Eagle3MethodConfig:
     """EAGLE-3 (train/eagle3.py): one decoder layer over the target's fused low / mid / high features."""
 
     name: str = "eagle3"
-    # fused target hidden_states indices (transformers' numbering); empty: EAGLE-3's 2, N/2, N-3 for an N-layer target
-    layers: list[int] = field(default_factory=list)
+    # fused target hidden_states indices (transformers' numbering); null or empty: EAGLE-3's 2, N/2, N-3 for an
+    # N-layer target
+    layers: Optional[list[int]] = field(default_factory=list)
     ttt_steps: int = 7  # training-time test: steps unrolled on the draft's own outputs (EAGLE-3: 7)
     decay: float = 0.8  # step j's loss is weighted decay^j
     # S: the draft predicts over the S most frequent train-label tokens; null: min(32000, V) (EAGLE-3's size)

@@ -36,7 +36,8 @@ from data.errors import UsageError
 from inference.drafters.eagle3 import default_tree
 from inference.engine.tree import chain_choices
 from models.checkpoint import most_frequent
-from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, load_eagle3, save_eagle3, target_text_config
+from models.eagle3 import (Eagle3Config, Eagle3Draft, fused_layers, load_eagle3, norm_gain, save_eagle3,
+                           target_text_config, token_lookup)
 from models.loading import model_config
 from train.distributed import gathered
 from train.eagle3_teacher import SOFT_TOPK, Teacher, TopkTeacher, full_teacher
@@ -58,9 +59,9 @@ class Eagle3TrainModule(nn.Module):
         self.draft = draft
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] -> the target's frozen input embeddings [B, T, D] in the draft's dtype."""
+        """[B, T] -> rows of the target's frozen embedding table [B, T, D] (`token_lookup`) in the draft's dtype."""
         with torch.no_grad():
-            return self.target.get_input_embeddings()(input_ids).to(self.draft.fc.weight.dtype)
+            return token_lookup(self.target.get_input_embeddings())(input_ids).to(self.draft.fc.weight.dtype)
 
     @torch.no_grad()
     def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...],
@@ -253,10 +254,10 @@ class Method(TokenCounts):
         self.acceptance: list[list[float]] = []  # the last greedy evaluation's [depth][rank] hit rates
 
     def _layers(self) -> tuple[int, ...]:
-        """method.layers, or EAGLE-3's defaults for the target's depth (read from its config.json alone)."""
+        """method.layers, or (null or empty) EAGLE-3's defaults for the target's depth (its config.json alone)."""
         depth = model_config(self.cfg.model.path, self.cfg.model.trust_remote_code, self.cfg.model.revision
                              ).get_text_config().num_hidden_layers
-        layers = tuple(self.m.layers) if self.m.layers else default_layers(depth)
+        layers = fused_layers(self.m.layers or None, depth)
         bad = [i for i in layers if not 0 <= i <= depth]
         if bad or len(set(layers)) != len(layers):
             raise UsageError(f"method.layers={list(layers)}: need distinct hidden_states indices in [0, {depth}] "
@@ -289,7 +290,7 @@ class Method(TokenCounts):
                 draft.init_as_target_head()
                 norm = getattr(target.get_decoder(), "norm", None)
                 if norm is not None and getattr(norm, "weight", None) is not None:
-                    draft.norm.weight.copy_(norm.weight)  # the target's final norm, in front of its lm_head rows
+                    draft.norm.weight.copy_(norm_gain(norm, draft.config.hidden_size))  # the target's final norm's gain
         target.requires_grad_(False).eval()
         return Eagle3TrainModule(target, draft.float())
 
