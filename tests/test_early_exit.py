@@ -233,7 +233,7 @@ def test_distill_an_early_exit_draft_with_the_chat_models_recipe(sources, alpaca
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert (out / "self_distill.jsonl").is_file()  # the recipe's replies are the target's own
+    assert (out / "self_distill" / "rank000.jsonl").is_file()  # the recipe's replies are the target's own
     config = json.loads((out / "config.json").read_text())
     assert config["drafter_type"] == "draft_model"
     assert config["training"]["config"]["method"]["draft"] == f"early_exit:{target}:2"

@@ -11,8 +11,9 @@ from data.datasets import split_key
 from data.readers import read_conversations
 from inference.api import Engine
 from inference.collect.self_distill import (
-    SelfDistillConfig, answer_id, done_ids, main, record_id, script_of, self_distill,
+    SelfDistillConfig, answer_id, main, record_id, script_of, self_distill,
 )
+from inference.collect.shared import done_ids
 from inference.engine.drafter import NoDrafter
 from models.loading import load_target, load_tokenizer
 from tests.model_support import save_tiny_model

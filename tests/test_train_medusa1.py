@@ -174,7 +174,7 @@ def test_self_distillation_trains_on_the_targets_own_greedy_answers(tiny_model_d
                  "data.self_distill_batch_size=2")
     result = train(tiny_model_dir, sharegpt_file, out, *overrides)
     assert_ok(result)
-    rows = [json.loads(line) for line in (out / "self_distill.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "self_distill" / "rank000.jsonl").read_text().splitlines()]
     assert 1 <= len(rows) <= 5  # an answer that decodes to nothing is not written
     # Each answer is the target's own greedy continuation of the first user turn (not the data's answer).
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

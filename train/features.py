@@ -40,11 +40,12 @@ from data.features import (
     MANIFEST, PROMPTS, STORAGE_DTYPES, FeatureCacheError, Manifest, remove_partial_shards, shard_name,
     write_shard,
 )
+from inference.collect.shared import World
 from models.backbone import padded_position_ids
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import load_target, load_tokenizer, model_config
 from train.prompts import first_user_prompts
-from train.self_distill import SELF_DISTILL_DIR, answer_share, chosen_conversations, with_distilled_train
+from train.self_distill import SELF_DISTILL_DIR, chosen_conversations, share_answers, with_distilled_train
 
 log = logging.getLogger("draftsmith")
 
@@ -288,8 +289,7 @@ class Method:
             if rank == 0 and old is None:
                 head.write(folder)  # the answers below belong to this run's data: a rerun with other data is refused
             target = self.load_target(cfg)
-            answer_share(cfg, target, tokenizer, chosen, folder, rank, size, barrier=lambda: barrier(size))
-            barrier(size)
+            share_answers(cfg, target, tokenizer, chosen, folder, World(rank, size))  # waits for every rank's share
             datasets = with_distilled_train(cfg, tokenizer, folder / SELF_DISTILL_DIR, datasets)
         splits = {"train": datasets.train, "validation": datasets.validation}
         splits = {name: ds for name, ds in splits.items() if ds is not None and len(ds)}

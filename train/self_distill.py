@@ -8,9 +8,12 @@ inference.collect.self_distill; the first answer greedy, each further one of `da
 the id "<id>_<n>") and how the answers become the train split again (the same data recipe read from the answers'
 JSONL; `data.max_tokens` then budgets the regenerated conversations).
 
-Resumable: answers are appended as they are made and a rerun skips the ids already written. The feature cache splits
-the work over ranks (rank r answers conversations r, r + world, ...) into one file per rank in a folder, and skips
-ids found in any file there, so a rerun under another world size continues instead of starting over.
+Where and how it is shared: the target answers on the device it trains on (a trainer's args.device; `train features`
+the rank's device), in batches, and the ranks of a launch share the prompts through files in
+<output_dir>/self_distill/ (inference.collect.shared): rank r answers every world-th conversation of each pass into
+rank{r:03d}.jsonl (those it cannot answer into rank{r:03d}.skipped), waits by polling the folder until every rank's
+share is there, and every rank reads all the files back. Answers are appended as they are made; a rerun, under any
+world size, skips the ids answered or skipped there.
 """
 
 from __future__ import annotations
@@ -19,22 +22,25 @@ import dataclasses
 import logging
 import random
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from data.chat import Conversation
 from data.datasets import SplitDatasets, build_datasets, load_conversations
 from inference.api import Engine
-from inference.collect.self_distill import DistillStats, SelfDistillConfig, answer_id, self_distill, written_ids
+from inference.collect.self_distill import DistillStats, SelfDistillConfig, answer_id, self_distill
+from inference.collect.shared import POLL_SECONDS, RankFiles, World, claim, share, wait_until_done
 from inference.engine.drafter import NoDrafter
+from train.distributed import gathered, is_partitioned
 
 log = logging.getLogger("draftsmith")
 
-SELF_DISTILL_FILE = "self_distill.jsonl"  # a trainer's answers, in its output_dir
-SELF_DISTILL_DIR = "self_distill"  # the feature cache's answers, one file per rank, in its output_dir
+SELF_DISTILL_DIR = "self_distill"  # the answers in an output_dir, one file per rank (inference.collect.shared)
 
 
 def chosen_conversations(cfg: DictConfig) -> list[tuple[str, Conversation]]:
@@ -66,15 +72,17 @@ def answer_passes(cfg: DictConfig, chosen: list[tuple[str, Conversation]]
 
 
 def answer(target: nn.Module, tokenizer: Any, conversations: list[tuple[str, Conversation]], path: Path,
-           config: SelfDistillConfig, desc: str = "self-distillation", answered: int = 0) -> DistillStats:
+           config: SelfDistillConfig, desc: str = "self-distillation", answered: int = 0,
+           on_skip: Callable[[str, str], Any] | None = None) -> DistillStats:
     """`target` answers `conversations` into `path` (appended, resumable), with a progress bar of generated tokens;
-    `answered`: how many the caller found answered already and left out."""
+    `answered`: how many the caller found answered already and left out; `on_skip(id, reason)`: each one not
+    written."""
     from tqdm.auto import tqdm
 
     was_training = target.training
     with tqdm(desc=desc, unit="tok", unit_scale=True, file=sys.stderr, mininterval=2.0) as bar:
         stats = self_distill(Engine(target.eval(), NoDrafter()), tokenizer, conversations, path, config,
-                             progress=bar.update)
+                             progress=bar.update, on_skip=on_skip)
     target.train(was_training)
     log.info("%s: %d answers generated, %d already in %s, %d prompts too long for data.max_length, %d answers cut "
              "at data.self_distill_new_tokens%s", desc, stats.written, stats.already_done + answered,
@@ -97,37 +105,45 @@ def with_distilled_train(cfg: DictConfig, tokenizer: Any, path: Path, datasets: 
     return SplitDatasets(train=train.train, validation=datasets.validation, report=report)
 
 
+def on_device(target: nn.Module, device: torch.device) -> nn.Module:
+    """`target` on `device`, where the trainer trains it: moved, unless its weights were placed when it loaded (a 4-bit
+    model, loaded there by device_map; ZeRO-3 partitions, which `gathered` assembles on every rank)."""
+    if getattr(target, "hf_quantizer", None) is not None or any(is_partitioned(p) for p in target.parameters()):
+        return target
+    return target.to(device)
+
+
 def trainer_datasets(cfg: DictConfig, target: nn.Module, tokenizer: Any, args: Any, output_dir: Path,
                      datasets: SplitDatasets) -> SplitDatasets:
-    """A trainer's `datasets` under data.self_distill: the main process answers into output_dir/self_distill.jsonl
-    first (the others then find it done), then every process reads the train split back from it."""
-    path = output_dir / SELF_DISTILL_FILE
-    with args.main_process_first(desc="self-distillation"):
-        for desc, todo, config in answer_passes(cfg, chosen_conversations(cfg)):
-            answer(target, tokenizer, todo, path, config, desc=desc)
-    return with_distilled_train(cfg, tokenizer, path, datasets)
+    """A trainer's `datasets` under data.self_distill: the target, moved to the training device (args.device) first,
+    answers this rank's share into output_dir/self_distill/ (share_answers; args.process_index of
+    args.world_size), then every rank reads the train split back from all the ranks' files. The target is left on
+    args.device in the mode it came in."""
+    target = on_device(target, args.device)
+    world = World(args.process_index, args.world_size)
+    share_answers(cfg, target, tokenizer, chosen_conversations(cfg), output_dir, world)
+    return with_distilled_train(cfg, tokenizer, output_dir / SELF_DISTILL_DIR, datasets)
 
 
-def rank_file(folder: Path, rank: int) -> Path:
-    return folder / SELF_DISTILL_DIR / f"rank{rank:03d}.jsonl"
-
-
-def answer_share(cfg: DictConfig, target: nn.Module, tokenizer: Any, chosen: list[tuple[str, Conversation]],
-                 folder: Path, rank: int, size: int, barrier: Callable[[], Any] = lambda: None) -> list[DistillStats]:
-    """This rank's share of the answers to `chosen` (chosen_conversations; every answer of
-    data.self_distill_answers), in its own file under folder/self_distill/. Ids already answered in any file there
-    (an earlier run, maybe under another world size) are skipped: every rank reads them all, `barrier()` waits for
-    the others to have read, then each rank answers every size-th one left of each pass."""
-    answers = folder / SELF_DISTILL_DIR
-    answers.mkdir(parents=True, exist_ok=True)
-    done: set[str] = set()
-    for path in sorted(answers.glob("*.jsonl")):
-        done |= written_ids(path)
-    barrier()  # nobody appends before every rank has read the same ids
+def share_answers(cfg: DictConfig, target: nn.Module, tokenizer: Any, chosen: list[tuple[str, Conversation]],
+                  folder: Path, world: World, poll: float = POLL_SECONDS) -> list[DistillStats]:
+    """Every answer of data.self_distill_answers to `chosen` (chosen_conversations), shared by the ranks of `world`
+    through folder/self_distill/ (inference.collect.shared): ids answered or skipped there already (an earlier run,
+    maybe under another world size) are left out, this rank answers its share of each pass into its own file, then
+    waits, polling the files, until every rank's share is there (no collective waits on a generation). Under ZeRO-3
+    the whole target is gathered on every rank for the generation, and released after the wait: both are
+    collectives, entered by every rank at about the same time."""
+    files = RankFiles(folder / SELF_DISTILL_DIR)
+    passes = answer_passes(cfg, chosen)
+    done = claim(files, world)
     stats = []
-    for desc, pairs, config in answer_passes(cfg, chosen):
-        todo = [(i, c) for i, c in pairs if i not in done]
-        desc = desc if size == 1 else f"{desc} (rank {rank})"
-        stats.append(answer(target, tokenizer, todo[rank::size], rank_file(folder, rank), config, desc=desc,
-                            answered=len(pairs) - len(todo)))
+    with gathered(target.parameters()):
+        for desc, pairs, config in passes:
+            mine = [pairs[i] for i in share([i for i, _ in pairs], world, done)]
+            desc = desc if world.size == 1 else f"{desc} (rank {world.rank})"
+            stats.append(answer(target, tokenizer, mine, files.records(world.rank), config, desc=desc,
+                                answered=sum(i in done for i, _ in pairs), on_skip=partial(files.skip, world.rank)))
+        wait_until_done(files, [i for _, pairs, _ in passes for i, _ in pairs], poll=poll)
+    if next(target.parameters()).is_cuda:
+        torch.cuda.empty_cache()  # the generation's KV caches, before the trainer allocates
     return stats

@@ -126,10 +126,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
         quantization=cfg.model.quantization,
         double_quant=cfg.model.double_quant,
         attn_implementation=cfg.model.attn_implementation,
+        # a 4-bit target cannot move after loading: it loads onto this rank's training device
+        device_map=str(args.device) if cfg.model.quantization not in (None, "none") else None,
         trust_remote_code=cfg.model.trust_remote_code,
         revision=cfg.model.revision,
     )
-    if cfg.data.self_distill and not own_data and cache is None:
+    if cfg.data.self_distill and not own_data and cache is None:  # on args.device, the ranks sharing the prompts
         datasets = trainer_datasets(cfg, target, tokenizer, args, output_dir, datasets)
     if isinstance(method, CountsLabels):
         method.count_labels(datasets.train)

@@ -31,6 +31,7 @@ from data.chat import Conversation, encode_prompt
 from data.readers import DataError, read_conversations
 from data.templates import ChatTemplateError
 from inference.api import load
+from inference.collect.shared import done_ids
 from models.backbone import eos_token_ids
 from models.checkpoint import CheckpointError
 from models.loading import ModelLoadError, load_tokenizer
@@ -108,38 +109,6 @@ def script_of(conversation: Conversation, max_turns: int | None = None) -> Conve
     return script
 
 
-def done_ids(output: Path) -> set[str]:
-    """Ids already written to `output`; a torn last line (no newline, or not JSON) is cut from the file first."""
-    ids, complete, size = _read_ids(output)
-    if complete < size:
-        log.warning("%s: cutting a torn last line (%d bytes) left by an interrupted run", output, size - complete)
-        with open(output, "r+b") as f:
-            f.truncate(complete)
-    return ids
-
-
-def written_ids(output: Path) -> set[str]:
-    """Ids written to `output` in complete lines; the file is left as it is (another process may own it)."""
-    return _read_ids(output)[0]
-
-
-def _read_ids(output: Path) -> tuple[set[str], int, int]:
-    """(ids in the complete lines of `output`, bytes up to the end of the last complete line, file size)."""
-    if not output.is_file():
-        return set(), 0, 0
-    data = output.read_bytes()
-    complete = data.rfind(b"\n") + 1
-    ids = set()
-    for lineno, line in enumerate(data[:complete].split(b"\n")[:-1], start=1):
-        if not line.strip():
-            continue
-        try:
-            ids.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{output}:{lineno}: not a self-distillation record ({err}); move the file away") from None
-    return ids, complete, len(data)
-
-
 def sharegpt_record(row: _Row) -> dict[str, Any]:
     turns = [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in row.messages]
     return {"id": row.id, "conversations": turns, "finish": row.finish}
@@ -152,10 +121,12 @@ def self_distill(
     output: Path,
     config: SelfDistillConfig = SelfDistillConfig(),
     progress: Callable[[int], Any] | None = None,
+    on_skip: Callable[[str, str], Any] | None = None,
 ) -> DistillStats:
     """Regenerate the assistant turns of `conversations` ((id, conversation) pairs) with `engine`
     (an inference.api.Engine) and append them to `output`, skipping ids already there. `progress(n)` is told of
-    every n tokens generated, as they come (a tqdm bar's update)."""
+    every n tokens generated, as they come (a tqdm bar's update); `on_skip(id, reason)` of every conversation not
+    written (its first prompt too long, an empty answer), once its batch is done."""
     output.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(output)
     todo = [_Row(id=i, script=script_of(c, config.max_turns), messages=[], finish=[]) for i, c in conversations
@@ -195,16 +166,21 @@ def self_distill(
                     row.messages.append({"role": "assistant", "content": text})
                     row.finish.append("stop" if stopped else "length")
                     row.next += 1
+            skipped = []
             for row in rows:
                 if row.dropped:
+                    skipped.append((row.id, "its first prompt is over max_prompt_tokens"))
                     continue
                 if any(m["role"] == "assistant" and not m["content"] for m in row.messages):
+                    skipped.append((row.id, "an empty answer"))
                     empty += 1
                     continue
                 out.write(json.dumps(sharegpt_record(row), ensure_ascii=False) + "\n")
                 written += 1
             out.flush()
             os.fsync(out.fileno())
+            for row_id, reason in skipped if on_skip is not None else ():
+                on_skip(row_id, reason)
             log.info("%d / %d conversations done", min(start + config.batch_size, len(todo)), len(todo))
     return DistillStats(written=written, already_done=len(conversations) - len(todo), too_long=too_long, empty=empty,
                         truncated_turns=truncated, shortened=shortened)
