@@ -1,9 +1,9 @@
 """Jacobi trajectories for CLLM (Kou et al. 2024): the JSONL format, the prompts, the training dataset and collator.
 
-    python -m data.jacobi --model tiny --output traj.jsonl [--data default] [--block-size 16] [data.path=... ...]
+    python scripts/collect_jacobi.py --model tiny --output traj.jsonl [--data default] [--block-size 16] [data.path=...]
 
 The collector that runs the target is inference.collect.jacobi_trajectories (beside inference.collect.self_distill, the
-other collector); this module's `__main__` block hands the command line to it.
+other collector); data/ imports no model code, so the command line lives there.
 
 One JSONL line per prompt (a `datasets.load_dataset("json", ...)`-loadable file):
     {"id", "prompt_ids", "answer_ids", "answer_labels", "block_size", "init",
@@ -14,7 +14,8 @@ greedy answer. answer_ids / answer_labels are the dataset's own reply (chat-enco
 empty without a reply). Degenerate generations (a run of `max_repeat` identical tokens) keep the blocks before the
 run; a record with none left is written with "dropped" set, so a resumed collection skips it too.
 
-Resuming: ids already in the output are skipped; a torn last line (an interrupted write) is cut off first.
+Resuming (the collector's, through inference.collect.shared): ids already written are skipped; a torn last line (an
+interrupted write) is cut off first.
 Dimension letters: B batch, T time, N block size.
 """
 
@@ -33,7 +34,6 @@ from data.datasets import load_conversations
 from data.readers import DataError
 
 AR_SOURCES = ("ground_truth", "target_output", "both")  # both: one row of each per item (ground truth first)
-RECORD_START = b'{"id": '  # json.dumps of a record dict starts so (its first key is "id")
 
 
 @dataclass(frozen=True)
@@ -69,28 +69,6 @@ def trajectory_record(sample: PromptSample, blocks: Sequence[Sequence[Sequence[i
     }
 
 
-def done_ids(path: Path) -> set[str]:
-    """Ids already written to `path`. Every complete line must be a record (else ValueError: not our file, left
-    untouched); a torn last line (an interrupted record write) is truncated away."""
-    if not path.is_file():
-        return set()
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    ids = set()
-    for number, line in enumerate(data[:end].splitlines(), 1):
-        try:
-            ids.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise ValueError(f"{path}: line {number}: not a trajectory record; choose another --output") from None
-    if end < len(data):
-        tail = data[end:]
-        if not (tail.startswith(RECORD_START) or RECORD_START.startswith(tail)):
-            raise ValueError(f"{path}: last line is not a trajectory record; choose another --output")
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    return ids
-
-
 def prompt_samples(data_cfg: Any, tokenizer: Any, split: str = "train", max_prompts: int | None = None
                    ) -> list[PromptSample]:
     """The first user turn of each conversation of a `data` config as a prompt, with the reply after it (if any)
@@ -120,7 +98,7 @@ def read_records(path: str | Path, vocab_size: int | None = None) -> list[dict[s
     without a byte-order mark, LF or CRLF line ends."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: trajectory file not found (write it with `python -m data.jacobi`)")
+        raise FileNotFoundError(f"{path}: trajectory file not found (write it with `python scripts/collect_jacobi.py`)")
     data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     records = []
     for number, line in enumerate(data.split(b"\n"), 1):
@@ -361,7 +339,7 @@ class PackedTrajectoryCollator:
                 "visible": torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), "teacher": [], "student": []}
 
 
-if __name__ == "__main__":  # `python -m data.jacobi`: the collector is a tool that drives the engine
-    from inference.collect.jacobi_trajectories import main
-
-    raise SystemExit(main())
+if __name__ == "__main__":  # the collector runs the target, and data/ imports no model code: say where it is
+    raise SystemExit("python -m data.jacobi: this module is the trajectory format; collect with "
+                     "`python scripts/collect_jacobi.py --model <name> --output traj.jsonl ...` "
+                     "(the same as `python -m inference.collect.jacobi_trajectories ...`)")

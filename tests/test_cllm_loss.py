@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from data.chat import IGNORE_INDEX
-from data.jacobi import TrajectoryCollator, TrajectoryDataset, done_ids, longest_run, trajectory_record, PromptSample
+from data.jacobi import TrajectoryCollator, TrajectoryDataset, longest_run, trajectory_record, PromptSample
 from train.cllm import LossSettings, ar_loss, block_logits, cllm_loss, consistency_loss
 
 N = 4
@@ -175,22 +175,6 @@ def test_degenerate_generations_are_cut():
     assert [b["states"][-1] for b in kept["blocks"]] == [[5, 6, 7, 8]] and kept["dropped"] is None
     dropped = trajectory_record(sample, blocks[1:], N, "pad", max_repeat=4)
     assert dropped["blocks"] == [] and "identical" in dropped["dropped"]
-
-
-def test_done_ids_cuts_a_torn_last_line(tmp_path):
-    path = tmp_path / "traj.jsonl"
-    path.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps(RECORDS[1])[:30])
-    assert done_ids(path) == {"a"}
-    assert path.read_text() == json.dumps(RECORDS[0]) + "\n"
-
-
-@pytest.mark.parametrize("text", ['[{"id": "x"}]', '{"id": "a"}\nnot json\n', 'plain words'])
-def test_done_ids_refuses_other_files_and_leaves_them_alone(tmp_path, text):
-    path = tmp_path / "data.json"
-    path.write_text(text)
-    with pytest.raises(ValueError, match="not a trajectory record"):
-        done_ids(path)
-    assert path.read_text() == text
 
 
 def test_trajectories_read_with_a_byte_order_mark_and_crlf_line_ends(tmp_path):

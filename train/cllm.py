@@ -14,7 +14,7 @@ target_output`: the concatenated fixed points), the data's reply (`ground_truth`
 with `ar_loss=kl` it is instead KL(p_orig ‖ p_θ) on those tokens, p_orig the model before training (LoRA: adapters
 disabled; full: a frozen copy loaded once), which holds the whole next-token distribution where it was, not just
 its argmax. Trajectories come from
-`python -m data.jacobi`; data.validation_fraction / data.seed hold out records for evaluation, and the `data`
+`python scripts/collect_jacobi.py`; data.validation_fraction / data.seed hold out records for evaluation, and the `data`
 config's validation prompts (eval.greedy_prompts) measure Jacobi tokens per step before/after training.
 Dimension letters: B batch, T time, N block size, V vocab, D hidden.
 """
@@ -234,7 +234,8 @@ def check_options(cfg: DictConfig) -> None:
     m = cfg.method
     quantized = cfg.model.quantization not in (None, "none")
     problems = [
-        (not m.trajectories, "method.trajectories is not set: pass a JSONL written by `python -m data.jacobi`"),
+        (not m.trajectories,
+         "method.trajectories is not set: pass a JSONL written by `python scripts/collect_jacobi.py`"),
         (m.ar_loss == "kl" and not m.ar_weight, "method.ar_loss=kl with method.ar_weight=0 trains no KL term"),
         (m.backbone == "full" and quantized,
          "method.backbone=full cannot train 4-bit weights (model.quantization=nf4): use method.backbone=lora (QLoRA)"),
