@@ -22,6 +22,7 @@ from inference.engine.verify import SamplingParams
 from models.checkpoint import CheckpointError, DrafterMismatchError, WEIGHTS_NAME
 from models.eagle3 import (Eagle3Config, Eagle3ConfigError, Eagle3Draft, check_eagle3_checkpoint, default_layers,
                            load_eagle3, save_eagle3)
+from models.ttt_attention import CHUNK
 from tests.conftest import build_tiny_lm, tiny_config
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
@@ -73,6 +74,29 @@ def test_unrolled_steps_equal_the_cached_step_forward(arch, width):
         out = draft.step(out, embeds[:, at + 1 + j : at + 2 + j], torch.full((b, 1), at + j), mask, cache)
         assert (out[:, 0] - unrolled[j][:, at]).abs().max() < 1e-12
 
+
+
+def test_unrolled_steps_equal_the_cached_step_forward_across_attention_chunks():
+    """The same over more positions than one chunk of models/ttt_attention.py holds: row 0's chain starts at the last
+    position of the first chunk, row 1's inside the second (its causal block spans both chunks)."""
+    draft = random_draft("llama").double()
+    b, t, d = 2, CHUNK + 45, 32
+    hidden, embeds = torch.randn(b, t, d, dtype=torch.double), torch.randn(b, t, d, dtype=torch.double)
+    unrolled = draft.unroll(hidden, embeds, 3)
+    cache = DynamicCache()
+    next_embeds = F.pad(embeds[:, 1:], (0, 0, 0, 1))
+    causal = additive(torch.ones(t, t, dtype=torch.bool).tril()[None, None].expand(b, 1, t, t), torch.double)
+    step0 = draft.step(hidden, next_embeds, torch.arange(t)[None].expand(b, t), causal, cache)
+    assert (step0 - unrolled[0]).abs().max() < 1e-12
+    at = torch.tensor([CHUNK - 1, CHUNK + 30])  # [B] where each row's chain starts
+    seen = torch.arange(t)[None] <= at[:, None]  # [B, T]
+    rows = torch.arange(b)
+    out = step0[rows, at][:, None]  # [B, 1, D]
+    for j in (1, 2):
+        visible = torch.cat([seen, torch.ones(b, j, dtype=torch.bool)], 1)  # [B, T + j]
+        mask = additive(visible[:, None, None], torch.double)
+        out = draft.step(out, embeds[rows, at + 1 + j][:, None], (at + j)[:, None], mask, cache)
+        assert (out[:, 0] - unrolled[j][rows, at]).abs().max() < 1e-12
 
 def test_draft_vocabulary_maps():
     draft = random_draft(draft_vocab=16)
