@@ -117,6 +117,20 @@ def test_default_layers_are_eagle3s():
     assert default_layers(32) == (2, 16, 29)
 
 
+def test_a_cache_of_other_layers_is_refused_naming_both_lists(tmp_path):
+    """A feature cache extracted with SmolLM2's layers (2, 15, 27) cannot serve a draft fusing a 32-layer target's
+    EAGLE-3 layers: one line naming both lists and the extraction that completes the cache."""
+    from data.features import FeatureCacheError, Manifest, check_cache
+
+    Manifest(target={}, tokenizer="t", hidden_size=32, vocab_size=128, layers=[2, 15, 27], topk=20, dtype="bf16",
+             recipe={}, shards={}, complete=True).write(tmp_path)
+    with pytest.raises(FeatureCacheError) as refused:
+        check_cache(tmp_path, need_layers=default_layers(32))
+    message = str(refused.value)
+    assert "holds layers [2, 15, 27], this run needs [16, 29] too (it reads layers [2, 16, 29])" in message
+    assert "method.layers=[2, 15, 16, 27, 29]" in message and "\n" not in message
+
+
 # --- the loss ---------------------------------------------------------------------------------------------------------
 
 def test_loss_offsets_and_soft_targets():
