@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,6 +71,32 @@ def test_a_gap_over_zero_counts():
 def test_runs_of_different_shapes_are_refused():
     with pytest.raises(ValueError, match="1 vs 2 prompts"):
         sc.compare(run("a", [[1]], [1], 1), run("b", [[1], [2]], [1], 1))
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_a_difference_is_judged_in_float64(tiny_lm_factory, single_thread):
+    model = tiny_lm_factory("llama")
+    prompts = [[1, 5, 7], [3, 9]]
+    answers = [greedy(model, ids, 6) for ids in prompts]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompts[1] + answers[1][:2]])).logits[0, -1]
+    wrong = answers[1][:2] + [int(logits.argmin())] + answers[1][3:]  # far below the argmax: no rounding puts it there
+    ours = run("draftsmith", answers, accepted=[3, 1], drafts=10)
+    theirs = run("vllm", [answers[0], wrong], accepted=[3, 1], drafts=10)
+    verdicts = sc.judge(model, prompts, ours, theirs)
+    assert verdicts[0] is None and not verdicts[1].near_tie and verdicts[1].failed_at == 2
+    c = sc.compare(ours, theirs, verdicts)
+    assert c.near_ties == 0 and "MISMATCH at token 2" in sc.verdict_text(c.first_difference[1], verdicts[1])
+    tie = replace(verdicts[1], near_tie=True)
+    assert sc.compare(ours, theirs, [None, tie]).near_ties == 1
+    assert "near tie" in sc.verdict_text(2, tie) and sc.verdict_text(None, None) == "identical"
 
 
 def test_run_figures():

@@ -17,14 +17,15 @@ Dimension letters: N draft tokens per step (a chain), P prompts.
 5. `run_vllm`: the same through vLLM in its own Python (inference.bench.vllm_worker), the same N
    (`num_speculative_tokens`), accepted drafts per position from vLLM's spec-decode counters.
 6. `compare`: per prompt, identical output or the first differing token; per position, vLLM's accepted count against
-   ours; mean acceptance length (1 + accepted drafts / drafting steps) and tokens/s of each.
+   ours; mean acceptance length (1 + accepted drafts / drafting steps) and tokens/s of each. A prompt whose outputs
+   differ is judged in float64 (inference.bench.greedy_ties, ours the reference): a near tie (both tokens within the
+   dtype's rounding of the float64 argmax, and vLLM's later tokens too) or a real mismatch.
 Both stop at the target's EOS ids (passed to vLLM as stop_token_ids) and keep that EOS in the output.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ import torch
 
 from data.errors import UsageError
 from inference.api import load
+from inference.bench.greedy_ties import Fp64Judge, TieVerdict, first_divergence
 from inference.bench.prompt_sets import PROMPT_SETS, Question, load_questions
 from inference.session import Parser
 from models.backbone import eos_token_ids
@@ -102,6 +104,11 @@ class Comparison:
     identical: tuple[bool, ...]  # [P]
     first_difference: tuple[int | None, ...]  # [P] index of the first differing token; None where identical
     position_gap: tuple[float, ...]  # [N] (vLLM's accepted count - ours) / ours, 0 where both are 0
+    verdicts: tuple[TieVerdict | None, ...] = ()  # [P] float64's ruling where the outputs differ (`judge`)
+
+    @property
+    def near_ties(self) -> int:
+        return sum(1 for v in self.verdicts if v is not None and v.near_tie)
 
     @property
     def all_identical(self) -> bool:
@@ -219,12 +226,11 @@ def accepted_per_position(accepted_per_step: Sequence[int], num_draft: int) -> t
     return tuple(sum(1 for a in accepted_per_step if a > i) for i in range(num_draft))
 
 
-def run_ours(p: Plan, folders: Folders) -> tuple[Run, list[list[int]], Any, tuple[int, ...]]:
-    """(our Run, the prompts' ids, the tokenizer, the target's EOS ids)."""
+def run_ours(p: Plan, folders: Folders) -> tuple[Run, list[list[int]], Any]:
+    """(our Run, the prompts' ids, the engine)."""
     torch.set_num_threads(p.threads)
     engine = load(str(folders.ours), base=p.base, dtype=p.dtype, tree=f"chain:{p.num_draft}")
     prompts = [engine.encode(q.turns[0]) for q in p.questions]
-    eos = eos_token_ids(engine.model)
     engine.generate_ids(prompts[0], max_new_tokens=WARMUP_TOKENS)
     tokens, walls, steps = [], [], []
     for ids in prompts:
@@ -234,10 +240,7 @@ def run_ours(p: Plan, folders: Folders) -> tuple[Run, list[list[int]], Any, tupl
         tokens.append(tuple(out.sequences[0]))
         steps.extend(step[0] for step in out.stats.accepted if step[0] >= 0)
     run = Run("draftsmith", tuple(tokens), tuple(walls), len(steps), accepted_per_position(steps, p.num_draft))
-    tokenizer = engine.tokenizer
-    del engine
-    gc.collect()  # the target's memory back before vLLM starts
-    return run, prompts, tokenizer, eos
+    return run, prompts, engine
 
 
 # -- 5. vLLM -----------------------------------------------------------------------------------------------------------
@@ -296,25 +299,46 @@ def relative_gap(theirs: int, ours: int) -> float:
     return (theirs - ours) / ours
 
 
-def compare(ours: Run, theirs: Run) -> Comparison:
+def compare(ours: Run, theirs: Run, verdicts: Sequence[TieVerdict | None] = ()) -> Comparison:
     if len(ours.tokens) != len(theirs.tokens) or len(ours.accepted_per_pos) != len(theirs.accepted_per_pos):
         raise ValueError(f"runs differ in shape: {len(ours.tokens)} vs {len(theirs.tokens)} prompts, "
                          f"{len(ours.accepted_per_pos)} vs {len(theirs.accepted_per_pos)} draft positions")
     firsts = tuple(first_difference(a, b) for a, b in zip(ours.tokens, theirs.tokens))
     gaps = tuple(relative_gap(t, o) for t, o in zip(theirs.accepted_per_pos, ours.accepted_per_pos))
-    return Comparison(tuple(f is None for f in firsts), firsts, gaps)
+    return Comparison(tuple(f is None for f in firsts), firsts, gaps, tuple(verdicts))
+
+
+def judge(model: Any, prompts: Sequence[Sequence[int]], ours: Run, theirs: Run) -> list[TieVerdict | None]:
+    """[P] float64's ruling on each prompt whose outputs differ (ours the reference, vLLM's checked); None where
+    they agree. A float64 copy of the target is made only when some output differs."""
+    rule = Fp64Judge(model)
+    divergences = [first_divergence(ids, a, b) for ids, a, b in zip(prompts, ours.tokens, theirs.tokens)]
+    return [None if d is None else rule(d) for d in divergences]
+
+
+def verdict_text(first: int | None, v: TieVerdict | None) -> str:
+    if first is None:
+        return "identical"
+    if v is None:
+        return f"DIFFER at token {first}"
+    if v.near_tie:
+        return f"differ at token {first}: a near tie in float64 (gap {v.gap:.2g}, tolerance {v.tolerance:.2g})"
+    where = v.failed_at if v.failed_at is not None else first
+    return f"MISMATCH at token {first}: token {where} lies beyond float64's rounding tolerance"
 
 
 def report(p: Plan, ours: Run, theirs: Run, c: Comparison, version: str, decode: Any) -> list[str]:
     """The printed lines: per prompt, then per position, then the totals."""
     lines = [f"serve check: {p.drafter_type} drafter {p.drafter} on {p.base}, {p.dtype}, chain of {p.num_draft} "
              f"drafts, greedy, max {p.max_new_tokens} new tokens, {p.threads} thread(s) each; vLLM {version}"]
-    for q, a, b, first in zip(p.questions, ours.tokens, theirs.tokens, c.first_difference):
-        verdict = "identical" if first is None else f"DIFFER at token {first}"
+    verdicts = c.verdicts or (None,) * len(c.identical)
+    for q, a, b, first, v in zip(p.questions, ours.tokens, theirs.tokens, c.first_difference, verdicts):
+        verdict = verdict_text(first, v)
         lines.append(f"  prompt {q.question_id}: {len(a)} / {len(b)} tokens (ours / vLLM): {verdict}")
         if first is not None:
             lines.append(f"    ours: {decode(a[first:first + 12])!r}  vLLM: {decode(b[first:first + 12])!r}")
-    lines.append(f"answers identical: {sum(c.identical)} of {len(c.identical)}")
+    lines.append(f"answers identical: {sum(c.identical)} of {len(c.identical)}"
+                 f"{f'; {c.near_ties} more differ at a float64 near tie' if c.near_ties else ''}")
     lines.append("accepted drafts per position (ours / vLLM / gap): " + ", ".join(
         f"{i + 1}: {o} / {t} / {g:+.1%}" for i, (o, t, g)
         in enumerate(zip(ours.accepted_per_pos, theirs.accepted_per_pos, c.position_gap))))
@@ -333,7 +357,7 @@ def result_record(p: Plan, ours: Run, theirs: Run, c: Comparison, version: str) 
     runs = {run.engine: {**asdict(run), "mean_acceptance_length": run.mean_acceptance_length,
                          "tokens_per_s": run.tokens_per_s} for run in (ours, theirs)}
     return {"plan": plan_fields, "vllm_version": version, "runs": runs, "comparison": asdict(c),
-            "all_identical": c.all_identical, "within_goal": c.within_goal}
+            "all_identical": c.all_identical, "near_ties": c.near_ties, "within_goal": c.within_goal}
 
 
 def check(p: Plan) -> tuple[Run, Run, Comparison, str, Any]:
@@ -341,9 +365,11 @@ def check(p: Plan) -> tuple[Run, Run, Comparison, str, Any]:
     with tempfile.TemporaryDirectory(prefix="serve-check-") as tmp:
         scratch = Path(tmp)
         folders = export_for_vllm(p, scratch)
-        ours, prompts, tokenizer, eos = run_ours(p, folders)
-        theirs, version = run_vllm(p, vllm_request(p, folders, prompts, eos), scratch)
-    return ours, theirs, compare(ours, theirs), version, tokenizer
+        ours, prompts, engine = run_ours(p, folders)
+        request = vllm_request(p, folders, prompts, eos_token_ids(engine.model))
+        theirs, version = run_vllm(p, request, scratch)
+    verdicts = judge(engine.model, prompts, ours, theirs)
+    return ours, theirs, compare(ours, theirs, verdicts), version, engine.tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
