@@ -47,6 +47,42 @@ def test_vicuna_uses_hub_id_and_shipped_template():
     assert cfg.model.chat_template == "vicuna_v1.1"
 
 
+GPU_TARGETS = {  # the 7-8B conf/model targets: decoder layers (num_hidden_layers of their config.json)
+    "llama2_7b_chat": 32, "llama3_8b_instruct": 32, "llama3_1_8b_instruct": 32, "mistral7b_instruct": 32,
+    "qwen2_5_7b_instruct": 28, "qwen3_8b": 36, "zephyr7b": 32, "vicuna7b": 32,
+}
+
+
+@pytest.mark.parametrize("model", sorted(GPU_TARGETS))
+def test_gpu_targets_default_to_self_distilled_sharegpt_v3_and_their_own_layers(model):
+    """Every 7-8B target trains on the ShareGPT V3 recipe the project ships, answered by itself (not the 999-prompt
+    demo set), and the feature recipes store EAGLE-3's layers for its own depth, not SmolLM2's."""
+    from models.eagle3 import default_layers, fused_layers
+
+    for method in ("medusa1", "eagle3", "features"):
+        cfg = composed(f"method={method}", f"+model={model}")
+        assert (cfg.data.name, cfg.data.self_distill) == ("sharegpt_v3", True)
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    for experiment in ("sharegpt_features", "selfdistill_features"):
+        cfg = composed("method=features", f"+model={model}", f"+experiment={experiment}")
+        assert cfg.data.name == "sharegpt_v3" and cfg.method.layers is None
+        assert fused_layers(cfg.method.layers, GPU_TARGETS[model]) == default_layers(GPU_TARGETS[model])
+    eagle3 = composed("method=eagle3", f"+model={model}", "+experiment=sharegpt_eagle3")
+    assert fused_layers(eagle3.method.layers or None, GPU_TARGETS[model]) == default_layers(GPU_TARGETS[model])
+
+
+def test_fused_layers_follow_the_targets_depth():
+    """EAGLE-3's 2, N/2, N-3; SmolLM2 (30 layers) keeps the layers its existing caches hold; a list is kept."""
+    from models.eagle3 import fused_layers
+
+    cfg = composed("method=features", "+model=smollm2", "+experiment=sharegpt_features")
+    assert fused_layers(cfg.method.layers, 30) == (2, 15, 27)
+    assert [fused_layers(None, n) for n in (32, 36, 28)] == [(2, 16, 29), (2, 18, 33), (2, 14, 25)]
+    assert fused_layers([1, 5], 32) == (1, 5)
+    assert composed("method=eagle3", "+model=tiny", "method.layers=null").method.layers is None
+    assert composed("method=features", "+model=tiny").method.layers == []  # plain features: no extra layers
+
+
 def test_method_schema_rejects_misspelt_key():
     with pytest.raises(UsageError, match="num_hedas"):
         parse(["medusa1", "+model=tiny", "method.num_hedas=3"])

@@ -42,6 +42,7 @@ from data.features import (
 )
 from inference.collect.shared import World
 from models.backbone import padded_position_ids
+from models.eagle3 import fused_layers
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
 from models.loading import load_target, load_tokenizer, model_config
 from train.prompts import first_user_prompts
@@ -263,10 +264,10 @@ class Method:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.chat_template or cfg.data.chat_template,
                                    cfg.model.trust_remote_code)
         config = model_config(cfg.model.path, cfg.model.trust_remote_code, cfg.model.revision).get_text_config()
-        layers = sorted(set(m.layers))
+        layers = sorted(set(fused_layers(m.layers, config.num_hidden_layers)))  # null: EAGLE-3's for this depth
         bad = [i for i in layers if not 0 <= i <= config.num_hidden_layers]
         if bad:
-            raise UsageError(f"method.layers={list(m.layers)}: {bad} outside [0, {config.num_hidden_layers}] "
+            raise UsageError(f"method.layers={layers}: {bad} outside [0, {config.num_hidden_layers}] "
                              f"(0: embeddings, i: after decoder layer i)")
         if m.topk > config.vocab_size:
             raise UsageError(f"method.topk={m.topk}: the target's vocabulary has only {config.vocab_size} tokens")
