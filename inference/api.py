@@ -25,12 +25,15 @@ import torch
 from data.chat import encode_prompt
 from data.collate import left_pad
 from data.templates import TEMPLATES, resolve_template
-from inference.drafters.registry import API, MEDUSA_TOPK, DrafterRequest, LoadOptions, resolve
+from inference.drafters.options import LoadOptions
+from inference.drafters.registry import DrafterRequest, resolve
 from inference.engine.devices import input_device
 from inference.engine.drafter import Drafter
 from inference.engine.loop import DecodeConfig, GenerationOutput, generate
+from inference.engine.options import API, Naming, signature_of, split_keywords
 from inference.engine.tree import TreeBuffers
 from inference.engine.verify import SamplingParams
+from inference.options import TargetOptions, check_target, options_help
 from inference.textstream import TextStream
 from models.backbone import eos_token_ids
 from models.checkpoint import load_drafter_target
@@ -252,30 +255,7 @@ class Engine:
         return left_pad(rows, 0, self.device)
 
 
-def load(
-    drafter_path: str | Path | DrafterRequest | None = None,
-    base: str | None = None,
-    dtype: str | None = None,
-    device: str | torch.device = "cpu",
-    tree: str | Path | Sequence[Sequence[int]] | None = None,
-    topk: int = MEDUSA_TOPK,
-    quantization: str | None = None,
-    attn_implementation: str = "sdpa",
-    trust_remote_code: bool = False,
-    tp_plan: Any = None,
-    device_map: Any = None,
-    offload_folder: str | Path | None = None,
-    draft_stop: str | None = None,
-    head_vocab: int | None = None,
-    tokenizer: str | Path | None = None,
-    chat_template: str | None = None,
-    lookup: int | None = None,
-    lookup_budget: int | None = None,
-    datastore: str | Path | Sequence[str | Path] | None = None,
-    datastore_grow: int | None = None,
-    datastore_smoothing: str | None = None,
-    datastore_request_weight: float | None = None,
-) -> Engine:
+def load(drafter_path: str | Path | DrafterRequest | None = None, base: str | None = None, **options: Any) -> Engine:
     """Load a base model, its tokenizer and (optionally) a drafter into an Engine.
 
     `drafter_path` is anything inference.drafters.registry.resolve names: a draftsmith checkpoint directory, a plain
@@ -284,63 +264,47 @@ def load(
     None for plain autoregressive decoding through the same loop (the baseline), or a request already resolved.
     `base` defaults to the checkpoint's base_model_name_or_path; a model name of conf/model ("tiny", "smollm2",
     "vicuna7b") means what it means on the command line. `dtype` defaults to the one the drafter was trained in, else
-    the conf/model's, else bf16. `tokenizer` defaults to the checkpoint's own (when `base` is not overridden), else the
-    base model's; `chat_template` (a shipped template name or a Jinja string) to the conf/model's, else the one the
-    drafter was trained with, else the tokenizer's own.
+    the conf/model's, else bf16; `tokenizer` to the checkpoint's own (when `base` is not overridden), else the base
+    model's; `chat_template` to the conf/model's, else the one the drafter was trained with, else the tokenizer's own.
+    `device_map` and `tp_plan` place the weights themselves: `device` is then unused, and the engine works on the
+    input embeddings' device (Medusa heads sit on the lm_head's).
 
-    `tree` is a tree spec for tree drafters (see inference.engine.tree.load_tree); None uses the shipped default for the
-    drafter's head count. `tp_plan="auto"` under torchrun shards the target tensor-parallel across the processes
-    (`device` is then each process's own device); every process runs the same loop and returns the same tokens.
-    `device_map` ("auto", "balanced", a dict or a JSON file, see models.loading.resolve_device_map) splits a target
-    too big for one device across several (accelerate dispatch; "disk" entries need `offload_folder`); `device` is
-    then unused: the engine works on the input embeddings' device and Medusa heads sit on the lm_head's. `draft_stop`
-    (draft models only: "fixed", "confidence:<t>", "learned[:<t>]", see inference.drafters.draft_stop) sets when
-    drafting stops; by default a checkpoint's learned stopper is used when it has one. `head_vocab=S` (Medusa heads
-    only) lets the heads draft only the S tokens most frequent in their training data (the checkpoint's
-    token_counts.safetensors): a cheaper projection, the same lossless verification. `lookup=N` (EAGLE-3 and Medusa)
-    grafts a prompt-lookup chain of up to N tokens onto every tree the drafter proposes, verified in the same forward
-    (inference.drafters.with_lookup); with a datastore, `lookup_budget=M` instead verifies the M likeliest nodes of
-    the drafter's tree and the lookup's together, ranked by the drafter's and the datastore's scores. `datastore`
-    (prompt_lookup, and EAGLE-3 and Medusa with `lookup`) also drafts a tree of the likeliest continuations from a
-    corpus of text: a feature cache folder, a ShareGPT file or folder of the target's answers, or a data recipe's
-    name such as "sharegpt_v3" (its train split's answers), several joined by
-    commas or given as a list and indexed together (data.datastore, inference.drafters.datastore).
-    `datastore_grow=N` (where `datastore` applies, with a `datastore` or without one) adds every answer the engine
-    serves to the datastore, keeping about the latest N tokens of them, so later requests draft from earlier answers
-    too (SuffixDecoding's global tree); each generation stays exact, but how much a request gains then depends on what
-    was served before it. `datastore_smoothing` (with either) sets how the datastore's counts make the next token's
-    distribution: "witten_bell" (the default; interpolated over the matched suffixes' lengths) or "longest" (the
-    longest match's counts alone, as REST and SuffixDecoding); `datastore_request_weight` (with either) how many times
-    the request's own prompt and answer so far count beside the corpus in those counts (default
-    inference.drafters.datastore.REQUEST_WEIGHT; 0: the corpus alone). Every argument is checked, and the tokenizer
-    and the datastore loaded, before the model loads."""
-    request = drafter_path if isinstance(drafter_path, DrafterRequest) else resolve(drafter_path, base, API)
-    options = LoadOptions(tree=tree, topk=topk, draft_stop=draft_stop, head_vocab=head_vocab, lookup=lookup,
-                          lookup_budget=lookup_budget, datastore=datastore, datastore_grow=datastore_grow,
-                          datastore_smoothing=datastore_smoothing,
-                          datastore_request_weight=datastore_request_weight)
-    request.check(options, API)
-    if device_map is not None and tp_plan is not None:
-        raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
-    if device_map is None:
-        check_device(device)
+    The keywords are the serving options, declared once with their help in inference.options.TargetOptions and
+    inference.drafters.options.LoadOptions (listed below); the command line's flags are the same fields. Every
+    argument is checked, and the tokenizer and the datastore loaded, before the model loads."""
+    target, drafter_options = split_keywords(options, "load", TargetOptions, LoadOptions)
+    return serve(drafter_path, base, target, drafter_options)
+
+
+load.__signature__ = signature_of(load, TargetOptions, LoadOptions)  # the keywords `**options` takes, for help()
+load.__doc__ += "\n\n" + options_help()
+
+
+def serve(drafter: str | Path | DrafterRequest | None, base: str | None, target: TargetOptions,
+          options: LoadOptions, naming: Naming = API) -> Engine:
+    """`load` with its options in their groups (`naming`: how errors name the arguments)."""
+    request = drafter if isinstance(drafter, DrafterRequest) else resolve(drafter, base, naming)
+    request.check(options, naming)
+    check_target(target, naming)
+    if target.device_map is None:
+        check_device(target.device)
     settings = model_settings(base or request.base)  # a model name ("tiny", "smollm2") as the command line takes it
     base_config = config_before_loading(settings.ref)
     if base_config is not None:
         request.check_target(base_config)
-    text = load_text_side(request, settings, base_overridden=base is not None, tokenizer=tokenizer,
-                          chat_template=chat_template, trust_remote_code=trust_remote_code)
-    options = options.with_datastore(text[0], API)
-    dtype = dtype or trained_setting(request.config, "dtype", ("model",)) or settings.dtype or "bf16"
-    target_kwargs = dict(dtype=dtype, quantization=quantization, attn_implementation=attn_implementation,
-                         trust_remote_code=trust_remote_code, tp_plan=tp_plan, device_map=device_map,
-                         offload_folder=offload_folder)
+    text = load_text_side(request, settings, base_overridden=base is not None, tokenizer=target.tokenizer,
+                          chat_template=target.chat_template, trust_remote_code=target.trust_remote_code)
+    options = options.with_datastore(text[0], naming)
+    dtype = target.dtype or trained_setting(request.config, "dtype", ("model",)) or settings.dtype or "bf16"
+    target_kwargs = dict(dtype=dtype, quantization=target.quantization,
+                         attn_implementation=target.attn_implementation, trust_remote_code=target.trust_remote_code,
+                         tp_plan=target.tp_plan, device_map=target.device_map, offload_folder=target.offload_folder)
     if request.config is not None and request.config.get("backbone"):  # a fine-tuned target (Medusa-2, CLLM)
         model = load_drafter_target(request.path, settings.ref, **target_kwargs)
     else:
         model = load_target(settings.ref, **target_kwargs)
-    if quantization in (None, "none") and tp_plan is None and device_map is None:  # those place the weights themselves
-        model.to(device)
+    if target.quantization in (None, "none") and target.tp_plan is None and target.device_map is None:
+        model.to(target.device)  # quantization, tp_plan and device_map place the weights themselves
     return attach(request, model, options, *text)
 
 

@@ -16,11 +16,13 @@ import torch
 from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
-from inference.api import attach, config_before_loading, load, load_text_side, trained_setting
-from inference.drafters.datastore import REQUEST_WEIGHT, SMOOTHINGS
-from inference.drafters.registry import CLI, DrafterRequest, LoadOptions, named_spec, resolve, spec_names
+from inference.api import attach, config_before_loading, load_text_side, serve, trained_setting
+from inference.drafters.options import LoadOptions
+from inference.drafters.registry import DrafterRequest, named_spec, resolve, spec_names
 from inference.drafters.spec import DrafterSpec
-from inference.engine.loop import check_context
+from inference.engine.loop import SAMPLING_GROUPS, check_context
+from inference.engine.options import CLI, add_flags, check_values, from_args
+from inference.options import TargetOptions, add_serving_flags
 from models.loading import check_device, located
 from models.refs import LocalRef, model_settings
 
@@ -65,48 +67,7 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
                    help="option for a registered drafter; repeatable")
     p.add_argument("--base", help="base model: hub id, local dir, builtin:tiny, or a conf/model name "
                                   "(default: the checkpoint's base_model_name_or_path)")
-    p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's, else the base model's)")
-    p.add_argument("--tree", help="draft tree: default | chain | chain:<depth> | tree.json (from build-tree); EAGLE-3 "
-                   "also default:<nodes> (its acceptance's tree of that size) and dynamic[:<nodes>[:<depth>[:<topk>]]] "
-                   "(EAGLE-2's tree, grown each step from the draft's confidence)")
-    p.add_argument("--draft-stop", help="draft models: when drafting stops each step: fixed | confidence:<t> | "
-                                        "learned[:<t>] (default: the checkpoint's stopper if it has one, else fixed)")
-    p.add_argument("--head-vocab", type=int, metavar="S",
-                   help="Medusa heads: draft only from the S tokens most frequent in their training data (the "
-                        "checkpoint's token_counts.safetensors); cheaper heads, same lossless verification")
-    p.add_argument("--lookup", type=int, metavar="N",
-                   help="EAGLE-3 and Medusa: also verify a prompt-lookup chain of up to N tokens each step (what "
-                        "followed the latest earlier occurrence of the context's last tokens), grafted onto the tree")
-    p.add_argument("--lookup-budget", type=int, metavar="M",
-                   help="with --lookup and --datastore: verify the M likeliest nodes of the drafter's tree and the "
-                        "lookup's together, ranked by the drafter's path probabilities and the datastore's scores "
-                        "(instead of all of both)")
-    p.add_argument("--datastore", metavar="SOURCE[,SOURCE...]",
-                   help="prompt_lookup, and EAGLE-3 and Medusa with --lookup: also draft a tree of the likeliest "
-                        "continuations from a corpus: a feature cache folder (its trained tokens), a ShareGPT file or "
-                        "folder of the target's answers, or a data recipe's name such as sharegpt_v3 (its train "
-                        "split's answers); several, joined by commas, are indexed together")
-    p.add_argument("--datastore-grow", type=int, metavar="N",
-                   help="where --datastore applies, with it or without: add every answer served to the datastore, "
-                        "keeping about the latest N tokens of them, so later requests draft from earlier answers")
-    p.add_argument("--datastore-smoothing", metavar="|".join(SMOOTHINGS),
-                   help="with --datastore or --datastore-grow: the next token's distribution, interpolated over the "
-                        "matched suffixes' lengths (witten_bell, the default) or the longest match's counts alone")
-    p.add_argument("--datastore-request-weight", type=float, metavar="W",
-                   help="with --datastore or --datastore-grow: how many times the request's own prompt and answer so "
-                        f"far count beside the datastore's corpus (default {REQUEST_WEIGHT:g}; 0: the corpus alone)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"),
-                   help="default: the drafter's training dtype, else the conf/model's, else bf16; fp64 checks "
-                        "that a greedy mismatch is float rounding (near-tied logits), not an engine error")
-    p.add_argument("--quantization", choices=("none", "nf4"), default="none")
-    p.add_argument("--device", help="default: cuda when available, else cpu")
-    p.add_argument("--device-map", help="split a target too big for one GPU across devices (accelerate): auto | "
-                                        "balanced | balanced_low_0 | sequential | a JSON file or object mapping "
-                                        "module names to GPU indices, \"cpu\" or \"disk\"; excludes --device")
-    p.add_argument("--offload-folder", help="directory for the weights a --device-map puts on \"disk\"")
-    p.add_argument("--chat-template", help="shipped template name (vicuna_v1.1, llama-2-chat), a .jinja file or a "
-                                           "Jinja string (default: the checkpoint's training setting, else the "
-                                           "tokenizer's own)")
+    add_serving_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--no-cpu-kernel", action="store_true",
@@ -116,24 +77,16 @@ def add_model_args(p: argparse.ArgumentParser, drafter_required: bool = False) -
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables")
-    p.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
-                   help="exact: lossless (greedy at T=0, rejection sampling above); typical: Medusa's typical "
-                        "acceptance, LOSSY (outputs are not distributed as the target's; same as exact at T=0)")
+    """A flag for every sampling parameter (inference.engine.loop.SAMPLING_GROUPS), --max-new-tokens defaulting to
+    the command's own `max_new_tokens`."""
+    for group in SAMPLING_GROUPS:
+        add_flags(p, group, {"max_new_tokens": max_new_tokens})
 
 
 def check_sampling(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
-        raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    """The sampling flags' values, each refused in one line naming its flag."""
+    for group in SAMPLING_GROUPS:
+        check_values(group, vars(args), CLI.arg)
 
 
 def drafter_spec(name: str, pairs: Sequence[str]) -> str:
@@ -157,10 +110,7 @@ def check_model_args(args: argparse.Namespace) -> tuple[DrafterRequest, LoadOpti
     if args.device is not None:
         check_device(args.device)
     request = resolve(drafter_spec(args.drafter or "none", args.drafter_option), args.base, CLI)
-    options = LoadOptions(tree=args.tree, draft_stop=args.draft_stop, head_vocab=args.head_vocab,
-                          lookup=args.lookup, lookup_budget=args.lookup_budget, datastore=args.datastore,
-                          datastore_grow=args.datastore_grow, datastore_smoothing=args.datastore_smoothing,
-                          datastore_request_weight=args.datastore_request_weight)
+    options = from_args(LoadOptions, args)
     request.check(options, CLI)
     base = model_settings(request.base).ref if request.base else None
     if isinstance(base, LocalRef):  # a base directory that is not there: its one line now, not after other models load
@@ -191,22 +141,15 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
     settings = model_settings(request.base)
     dtype = args.dtype or trained_setting(config, "dtype", ("model",)) or settings.dtype or "bf16"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target_options = from_args(TargetOptions, args, dtype=dtype, device=device)
     own_target = bool((config or {}).get("backbone"))
     target = None if own_target else (settings.path, dtype, args.quantization, device, args.device_map)
     if share is not None and target is not None and share.target == target:
-        text = load_text_side(request, settings, base_overridden=args.base is not None, tokenizer=args.tokenizer,
-                              chat_template=args.chat_template)
+        text = load_text_side(request, settings, base_overridden=args.base is not None,
+                              tokenizer=target_options.tokenizer, chat_template=target_options.chat_template)
         engine = attach(request, share.engine.model, options, *text)
     else:
-        engine = load(
-            request, base=args.base, dtype=dtype, device=device, tree=args.tree,
-            quantization=None if args.quantization == "none" else args.quantization,
-            device_map=args.device_map, offload_folder=args.offload_folder, draft_stop=args.draft_stop,
-            head_vocab=args.head_vocab, tokenizer=args.tokenizer, chat_template=args.chat_template,
-            lookup=args.lookup, lookup_budget=args.lookup_budget, datastore=args.datastore,
-            datastore_grow=args.datastore_grow, datastore_smoothing=args.datastore_smoothing,
-            datastore_request_weight=args.datastore_request_weight,
-        )
+        engine = serve(request, args.base, target_options, options, CLI)
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)
     return Session(engine, engine.tokenizer, engine.chat_template, request.base, name, config, target)
 

@@ -7,7 +7,7 @@ Every project module's imports are read with `ast` (none is executed). The rule,
   builder. A module may import its own layer or a lower one, never a higher one, so nothing below a tool imports it.
   The collectors (inference.collect) are inference-layer modules: a training run self-distils in-run.
 * Inside inference the groups are layered the same way (`INFERENCE_GROUPS`): kernels <- engine <- drafters <- api
-  (the package's public face: inference itself, api, textstream, session) <- collect, bench <- cli. A module
+  (the package's public face: inference itself, api, options, textstream, session) <- collect, bench <- cli. A module
   imports its own group or a lower-ranked one; collect and bench share a rank and do not import each other.
 * Module-level imports form no cycle (function-local imports do not dodge this: they are in the graph too, below).
 * A module's `if __name__ == "__main__":` block is a command line: it runs only when the module is the program, so
@@ -39,7 +39,7 @@ INFERENCE_GROUPS = {
     "kernels": (0, ("inference.kernels",)),
     "engine": (1, ("inference.engine",)),
     "drafters": (2, ("inference.drafters",)),
-    "api": (3, ("inference", "inference.api", "inference.textstream", "inference.session")),
+    "api": (3, ("inference", "inference.api", "inference.options", "inference.textstream", "inference.session")),
     "collect": (4, ("inference.collect",)),
     "bench": (4, ("inference.bench",)),
     "cli": (5, ("inference.cli", "inference.__main__")),

@@ -22,13 +22,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from inference.api import MEDUSA_TOPK, Engine
+from inference.api import Engine
 from inference.bench.greedy_ties import TIE_ULPS, classify, first_divergence
 from inference.bench.methods import EngineRunner, HFRunner, Runner, Sampling
 from inference.bench.run import WARMUP_TOKENS
 from inference.bench.stats import Answer, Totals, summarize
 from inference.bench.tree_fit import RankCounter, measure_forward_cost, measure_head_cost, score_heads
 from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.options import MEDUSA_TOPK
 from inference.engine.devices import input_device
 from inference.engine.drafter import NoDrafter
 from inference.engine.tree import greedy_tree_choices, load_tree

@@ -58,6 +58,7 @@ from inference.bench.methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, 
 from inference.bench.prompt_sets import PROMPT_SETS, Question, load_questions
 from inference.bench.stats import Answer, TurnResult, bandwidth_floor, format_table, summarize
 from inference.drafters.draft_model import DraftModelDrafter
+from inference.drafters.options import OPTIONAL
 from inference.drafters.registry import names_draft_model
 from inference.session import (add_model_args, add_sampling_args, check_sampling, encode_messages,
                                open_session)
@@ -235,9 +236,8 @@ def run_config(args: argparse.Namespace, session: Any, model_ids: dict[str, str]
     return {
         "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "acceptance": args.acceptance, "base": session.base,
-        "drafter": session.drafter_name, "head_vocab": args.head_vocab, "lookup": args.lookup,
-        "lookup_budget": args.lookup_budget, "datastore": args.datastore, "datastore_grow": args.datastore_grow,
-        "datastore_smoothing": args.datastore_smoothing, "datastore_request_weight": args.datastore_request_weight,
+        "drafter": session.drafter_name,
+        **{name: getattr(args, name) for name in OPTIONAL if name not in ("tree", "draft_stop")},  # the load options
         "tree_nodes": getattr(session.engine.tree, "num_nodes", None),
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
         "threads": torch.get_num_threads(), **host_info(device), "model_ids": model_ids,

@@ -35,12 +35,14 @@ from data.chat import encode_chat, encode_text, first_user_turn
 from data.config import load_data_config
 from data.datasets import load_conversations
 from data.errors import UsageError
-from inference.api import MEDUSA_TOPK, Engine
+from inference.api import Engine
 from inference.drafters.eagle3 import Eagle3Drafter, Pending
 from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.options import LOOKUP_OPTIONS, MEDUSA_TOPK
 from inference.engine.devices import input_device
 from inference.engine.drafter import Draft, NoDrafter
 from inference.engine.loop import DecodeConfig, forward_tree, prefill
+from inference.engine.options import flag
 from inference.engine.tree import best_tree_choices, build_tree, expected_accept_length
 from inference.engine.verify import verify_greedy
 from inference.kernels.attention import gqa_attention
@@ -320,10 +322,9 @@ def run_build_tree(args: argparse.Namespace) -> int:
             raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.max_nodes < 2:
         raise UsageError("--max-nodes must be >= 2 (the root and at least one draft)")
-    for flag in ("lookup", "lookup_budget", "datastore", "datastore_grow", "datastore_smoothing",
-                 "datastore_request_weight"):
-        if getattr(args, flag) is not None:
-            name = "--" + flag.replace("_", "-")
+    for option in LOOKUP_OPTIONS:
+        if getattr(args, option) is not None:
+            name = flag(option)
             raise UsageError(f"{name} does not apply to build-tree: it fits the drafter's own tree; pass {name} "
                              f"to generate or bench with the fitted tree")
     sizes = _sizes(args)

@@ -10,10 +10,11 @@
     None or "none"                      plain autoregressive decoding through the same loop
 
 `resolve` reads at most a config.json (no model loads) and returns a `DrafterRequest`; `DrafterRequest.check`
-refuses, in one line, a load option the drafter's type does not take (before any model loads); `DrafterRequest.build`
-makes the Drafter for a loaded target. `inference.api.load` and the command line (`inference.session`) both go
-through here, each naming the arguments its own way (`tree=` or `--tree`, see `Naming`). A new drafter type adds one
-`DRAFTERS` entry.
+refuses, in one line, a load option (inference.drafters.options.LoadOptions) the drafter's type does not take or a
+value it cannot use (before any model loads); `DrafterRequest.build` makes the Drafter for a loaded target.
+`inference.api.load` and the command line (`inference.session`) both go through here, each naming the arguments its
+own way (`tree=` or `--tree`, see inference.engine.options.Naming). A new drafter type adds one `DRAFTERS` entry,
+and its name to the `drafters` of the load options it takes.
 
     load("prompt_lookup", base=...)
     load("lookahead:draft_nodes=31,branch_length=10", base=...)
@@ -29,26 +30,26 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
 from data.errors import UsageError
 from data.locations import is_local
-from inference.drafters.datastore import (
-    REQUEST_WEIGHT, SMOOTHINGS, Datastore, check_request_weight, check_spec, load_datastore,
-)
+from inference.drafters.datastore import Datastore
 from inference.drafters.draft_model import build_draft_model_drafter
 from inference.drafters.draft_stop import check_stop_spec
 from inference.drafters.eagle3 import Eagle3Drafter, check_fits, eagle3_tree
 from inference.drafters.jacobi import DEFAULT_BLOCK_SIZE, JacobiDrafter, JacobiOptions
 from inference.drafters.lookahead import LookaheadDrafter
 from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.options import OPTIONAL, LoadOptions, check_options
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.drafters.spec import DrafterSpec, parse_value
 from inference.drafters.with_lookup import WithLookup
 from inference.engine.devices import output_device
 from inference.engine.drafter import Drafter, NoDrafter
+from inference.engine.options import API, CLI, Naming  # noqa: F401 (CLI: callers name the command line's way)
 from inference.engine.tree import load_tree
 from models.builtin import ModelLoadError
 from models.checkpoint import (
@@ -57,77 +58,6 @@ from models.checkpoint import (
 from models.draft_model import checkpoint_stopper, is_plain_model
 from models.eagle3 import load_eagle3, read_eagle3_config
 from models.refs import BuiltinRef, EarlyExitRef, HubRef, LocalRef, locate, model_settings
-
-MEDUSA_TOPK = 10  # candidates kept per head: the largest rank a tree may use is MEDUSA_TOPK - 1
-OPTIONAL = ("tree", "draft_stop", "head_vocab", "lookup", "lookup_budget", "datastore", "datastore_grow",
-            "datastore_smoothing", "datastore_request_weight")  # options a type may not take
-MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
-MAX_BUDGET = 256  # the most nodes `lookup_budget` keeps of the pooled tree (the dynamic tree's limit too)
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """What `load` passes every builder; `DrafterRequest.check` has refused the ones the type does not take."""
-
-    tree: Any = None  # tree drafters: a tree spec (inference.engine.tree.load_tree); draft models: "chain:<n>" etc.
-    topk: int = MEDUSA_TOPK
-    draft_stop: str | None = None  # draft models only (inference.drafters.draft_stop)
-    head_vocab: int | None = None  # Medusa heads only: draft from the S most frequent training tokens
-    lookup: int | None = None  # tree drafters: graft a prompt-lookup chain of up to N tokens onto each tree
-    # with `lookup` and a datastore: keep the M likeliest nodes of the drafter's tree and the lookup's, ranked by their
-    # scores (inference.drafters.with_lookup), instead of all of both
-    lookup_budget: int | None = None
-    # prompt lookup (alone or grafted by `lookup`): also draft from this corpus of the target's text; a spec (a source
-    # or several, joined by commas or listed: data.datastore) until `with_datastore` reads it, then the Datastore
-    datastore: str | Path | Sequence[str | Path] | Datastore | None = None
-    # with `datastore` or without: every answer served is added to the datastore, the latest N tokens kept
-    datastore_grow: int | None = None
-    # with `datastore` or `datastore_grow`: how the datastore's counts make the next token's distribution (one of
-    # inference.drafters.datastore.SMOOTHINGS); None: the first, Witten-Bell interpolation
-    datastore_smoothing: str | None = None
-    # with `datastore` or `datastore_grow`: how many times the request's own prompt and answer so far count beside the
-    # datastore's corpus in its counts; None: inference.drafters.datastore.REQUEST_WEIGHT
-    datastore_request_weight: float | None = None
-
-    def with_datastore(self, tokenizer: Any, naming: "Naming") -> "LoadOptions":
-        """These options with `datastore` read and indexed (a path given; `tokenizer` encodes a text source), or an
-        empty one made to grow (`datastore_grow` alone)."""
-        if isinstance(self.datastore, Datastore) or (self.datastore is None and self.datastore_grow is None):
-            return self
-        store = load_datastore(self.datastore, tokenizer, label=naming.datastore, max_served=self.datastore_grow or 0,
-                               smoothing=self.datastore_smoothing or SMOOTHINGS[0],
-                               request_weight=(REQUEST_WEIGHT if self.datastore_request_weight is None
-                                               else self.datastore_request_weight))
-        # the Datastore carries them (max_served, smoothing, request_weight)
-        return replace(self, datastore=store, datastore_grow=None, datastore_smoothing=None,
-                       datastore_request_weight=None)
-
-
-@dataclass(frozen=True)
-class Naming:
-    """How an error message names each argument: `API` for inference.api.load, `CLI` for the command line."""
-
-    drafter: str
-    base: str
-    tree: str
-    draft_stop: str
-    head_vocab: str
-    lookup: str
-    lookup_budget: str
-    datastore: str  # without "=": messages name the source as <datastore>=<path>
-    datastore_grow: str
-    datastore_smoothing: str
-    datastore_request_weight: str
-
-
-API = Naming(drafter="load: drafter", base="base=", tree="tree=", draft_stop="draft_stop=", head_vocab="head_vocab=",
-             lookup="lookup=", lookup_budget="lookup_budget=", datastore="datastore", datastore_grow="datastore_grow=",
-             datastore_smoothing="datastore_smoothing=", datastore_request_weight="datastore_request_weight=")
-CLI = Naming(drafter="--drafter", base="--base", tree="--tree", draft_stop="--draft-stop", head_vocab="--head-vocab",
-             lookup="--lookup", lookup_budget="--lookup-budget", datastore="--datastore",
-             datastore_grow="--datastore-grow",
-             datastore_smoothing="--datastore-smoothing", datastore_request_weight="--datastore-request-weight")
-
 
 @dataclass(frozen=True)
 class DrafterRequest:
@@ -152,33 +82,14 @@ class DrafterRequest:
         return "a plain causal LM (a draft model)" if self.plain_model else f"drafter_type {self.type!r}"
 
     def check(self, options: LoadOptions, naming: Naming = API) -> None:
-        """Refuse, in one line, an option this type does not take or a value it cannot use; reads at most small
-        files of the checkpoint (its stopper entry, its token counts); a spec-named drafter is built once without a
-        target, so its options are checked too."""
+        """Refuse, in one line, an option this type does not take or a value it cannot use (`check_options`); reads
+        at most small files of the checkpoint (its stopper entry, its token counts); a spec-named drafter is built
+        once without a target, so its options are checked too."""
         kind = DRAFTERS[self.type]
-        for name in OPTIONAL:
-            if getattr(options, name) is not None and name not in kind.takes:
-                takers = sorted(t for t, k in DRAFTERS.items() if name in k.takes)
-                raise UsageError(f"{getattr(naming, name)} does not apply to {self.describe()}; it applies to "
-                                 f"{', '.join(takers)}")
+        check_options(options, self.type, self.describe(), naming)
         if options.draft_stop is not None:
             has_stopper = self.path is not None and checkpoint_stopper(self.path)[0] is not None
             check_stop_spec(options.draft_stop, has_stopper)
-        if options.lookup is not None and (isinstance(options.lookup, bool) or not isinstance(options.lookup, int)
-                                           or not 1 <= options.lookup <= MAX_LOOKUP):
-            raise UsageError(f"{naming.lookup} must be a whole number of tokens in [1, {MAX_LOOKUP}], got "
-                             f"{options.lookup!r}")
-        if options.lookup_budget is not None:
-            self.check_budget(options, naming)
-        if options.datastore_grow is not None and (isinstance(options.datastore_grow, bool)
-                                                   or not isinstance(options.datastore_grow, int)
-                                                   or options.datastore_grow < 1):
-            raise UsageError(f"{naming.datastore_grow} must be a whole number of tokens >= 1 (the served answers' "
-                             f"tokens kept), got {options.datastore_grow!r}")
-        if options.datastore_smoothing is not None or options.datastore_request_weight is not None:
-            self.check_settings(options, naming)
-        if options.datastore is not None or options.datastore_grow is not None:
-            self.check_datastore(options, naming)
         if options.head_vocab is not None:
             read_token_counts(self.path)  # raises CheckpointError naming the missing or unreadable file
         if kind.check is not None:
@@ -188,56 +99,6 @@ class DrafterRequest:
             has_store = options.datastore is not None or options.datastore_grow is not None
             stand_in = Datastore([], max_served=1) if has_store else None
             kind.build(self, None, replace(options, datastore=stand_in), None)
-
-    @staticmethod
-    def check_budget(options: LoadOptions, naming: Naming) -> None:
-        """`lookup_budget` is a whole number of nodes in [1, MAX_BUDGET], with `lookup` and a datastore (or growth),
-        whose scores rank the lookup's nodes."""
-        name, budget = naming.lookup_budget.rstrip("="), options.lookup_budget
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
-            raise UsageError(f"{naming.lookup_budget} must be a whole number of nodes in [1, {MAX_BUDGET}], got "
-                             f"{budget!r}")
-        if options.lookup is None or (options.datastore is None and options.datastore_grow is None):
-            raise UsageError(f"{name} needs {naming.lookup.rstrip('=')} and {naming.datastore}: it ranks the "
-                             f"drafter's nodes and the lookup's by their scores, which the datastore gives")
-
-    @staticmethod
-    def check_settings(options: LoadOptions, naming: Naming) -> None:
-        """`datastore_smoothing` is one of SMOOTHINGS, `datastore_request_weight` a number >= 0, and there is a
-        datastore source (or growth) for them to shape."""
-        if options.datastore_smoothing is not None and options.datastore_smoothing not in SMOOTHINGS:
-            raise UsageError(f"{naming.datastore_smoothing} must be one of {', '.join(SMOOTHINGS)}, got "
-                             f"{options.datastore_smoothing!r}")
-        if options.datastore_request_weight is not None:
-            try:
-                check_request_weight(options.datastore_request_weight)
-            except ValueError:
-                raise UsageError(f"{naming.datastore_request_weight} must be a number >= 0 (how many times the "
-                                 f"request's own text counts), got {options.datastore_request_weight!r}") from None
-        for field in ("datastore_smoothing", "datastore_request_weight"):
-            if getattr(options, field) is None:
-                continue
-            name = getattr(naming, field).rstrip("=")
-            if options.datastore is None and options.datastore_grow is None:
-                raise UsageError(f"{name} applies with {naming.datastore} or {naming.datastore_grow.rstrip('=')}: "
-                                 f"it sets how the datastore drafts")
-            if isinstance(options.datastore, Datastore):
-                raise UsageError(f"{name} applies to a datastore source (a path) or none; a Datastore object is "
-                                 f"built with its settings (Datastore.configured)")
-
-    def check_datastore(self, options: LoadOptions, naming: Naming) -> None:
-        """A tree drafter's datastore chain shares the nodes `lookup` adds, so it needs `lookup`; the source is
-        checked here (a cache's manifest, a text source parsed whole), before any model or tokenizer loads."""
-        if "lookup" in DRAFTERS[self.type].takes and options.lookup is None:
-            name = naming.datastore if options.datastore is not None else naming.datastore_grow.rstrip("=")
-            raise UsageError(f"{name} needs {naming.lookup.rstrip('=')} on {self.describe()}: the "
-                             f"datastore's tree shares the N nodes that {naming.lookup.rstrip('=')} N adds to its "
-                             f"tree")
-        if isinstance(options.datastore, Datastore) and options.datastore_grow is not None:
-            raise UsageError(f"{naming.datastore_grow.rstrip('=')} applies to a datastore source (a path) or none; "
-                             f"a Datastore object grows when built with max_served > 0")
-        if options.datastore is not None and not isinstance(options.datastore, Datastore):
-            check_spec(options.datastore, naming.datastore)
 
     def check_target(self, target_config: Any) -> None:
         """A checkpoint trained for another base (hidden size, vocabulary), refused from the base's config alone,
@@ -267,7 +128,6 @@ class DrafterRequest:
 class DrafterType:
     # (request, target, options, input device); spec-named drafters may get no target or device (build_from_spec)
     build: Callable[[DrafterRequest, torch.nn.Module | None, LoadOptions, torch.device | None], Drafter]
-    takes: frozenset[str] = frozenset()  # which of OPTIONAL it takes
     checkpoint: bool = False  # named by a checkpoint's drafter_type; else by a spec
     # what of the options can be refused from the checkpoint's small files, before any model loads (its tree)
     check: Callable[[DrafterRequest, LoadOptions], None] | None = None
@@ -346,9 +206,6 @@ KEYWORD_DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "lookahead": LookaheadDrafter,
     "prompt_lookup": PromptLookupDrafter,
 }
-# the load options (OPTIONAL) each one takes
-DATASTORE_OPTIONS = frozenset({"datastore", "datastore_grow", "datastore_smoothing", "datastore_request_weight"})
-KEYWORD_TAKES = {"prompt_lookup": DATASTORE_OPTIONS}
 
 
 def build_training_free(name: str, options: Mapping[str, str], **loaded: Any) -> Drafter:
@@ -379,14 +236,12 @@ def _keyword(request: DrafterRequest, model: torch.nn.Module | None, options: Lo
 
 DRAFTERS: dict[str, DrafterType] = {
     "none": DrafterType(_none),
-    "medusa": DrafterType(_medusa, frozenset({"tree", "head_vocab", "lookup", "lookup_budget"}) | DATASTORE_OPTIONS,
-                          checkpoint=True, check=_medusa_check),
-    "draft_model": DrafterType(_draft_model, frozenset({"tree", "draft_stop"}), checkpoint=True),
-    "eagle3": DrafterType(_eagle3, frozenset({"tree", "lookup", "lookup_budget"}) | DATASTORE_OPTIONS, checkpoint=True,
-                          check=_eagle3_check),
+    "medusa": DrafterType(_medusa, checkpoint=True, check=_medusa_check),
+    "draft_model": DrafterType(_draft_model, checkpoint=True),
+    "eagle3": DrafterType(_eagle3, checkpoint=True, check=_eagle3_check),
     "cllm": DrafterType(_cllm, checkpoint=True),  # its draft is always a Jacobi chain of its trained block size
     "jacobi": DrafterType(_jacobi),
-    **{name: DrafterType(_keyword, KEYWORD_TAKES.get(name, frozenset())) for name in KEYWORD_DRAFTERS},
+    **{name: DrafterType(_keyword) for name in KEYWORD_DRAFTERS},
 }
 
 

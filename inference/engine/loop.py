@@ -32,6 +32,7 @@ import torch
 from inference.engine.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
 from inference.engine.devices import cuda_sync, input_device
 from inference.engine.drafter import DecodeState, Draft, Drafter, NoDrafter
+from inference.engine.options import check, option
 from inference.engine.tree import tree_on
 from inference.engine.verify import (
     SamplingParams, VerifyResult, next_token, verify_greedy, verify_rejection, verify_speculative, verify_typical,
@@ -39,15 +40,19 @@ from inference.engine.verify import (
 from inference.kernels.attention import gqa_attention
 from inference.kernels.cpu_linear import fast_linears
 
-ACCEPTANCE = ("exact", "typical")
+ACCEPTANCE = ("exact", "typical")  # how drafts are accepted: "exact" lossless, "typical" Medusa's LOSSY rule
 TREE_SLOTS = 64  # cache slots reserved beyond the prompt and max_new_tokens for a step's tree (a wider one regrows)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    max_new_tokens: int = 128
+    max_new_tokens: int = option(128, type=int, valid=lambda v: v >= 1, must=">= 1",
+                                 help="the most tokens a reply gets (a command's own default)")
     sampling: SamplingParams = SamplingParams()
-    acceptance: str = "exact"  # "exact": greedy at temperature 0, rejection sampling above; "typical": LOSSY
+    acceptance: str = option(
+        "exact", choices=ACCEPTANCE,
+        help="exact: lossless (greedy at T=0, rejection sampling above); typical: Medusa's typical acceptance, LOSSY "
+             "(outputs are not distributed as the target's; same as exact at T=0)")
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     eos_token_ids: tuple[int, ...] = ()
@@ -58,12 +63,14 @@ class DecodeConfig:
     # stock DynamicCache concatenation (the same values; a baseline for benchmarks)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.acceptance not in ACCEPTANCE:
-            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
+        check(self, error=ValueError)
         if any(len(s) == 0 for s in self.stop_sequences):
             raise ValueError("stop_sequences must not contain an empty sequence")
+
+
+# A request's sampling parameters, declared once in these groups' fields (max_new_tokens, acceptance; temperature,
+# top_k, top_p): Engine.generate's keywords, the command line's flags and their checks read them.
+SAMPLING_GROUPS = (DecodeConfig, SamplingParams)
 
 
 @dataclass(frozen=True)

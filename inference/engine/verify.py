@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from inference.engine.options import check, number, option
 from inference.engine.tree import TreeBuffers
 
 ARGMAX_CHUNK = 1024  # vocabulary slice per first-stage max in `greedy_argmax`
@@ -60,17 +61,15 @@ class SamplingParams:
     """How the target's logits become a distribution; applied identically by every decoding path.
     temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = option(0.0, type=float, valid=number(0), must="a finite number >= 0",
+                                help="0 = greedy; above, the target's logits are divided by it before sampling")
+    top_k: int = option(0, type=int, valid=lambda v: v >= 0, must=">= 0 (0 disables it)",
+                        help="sample from the k likeliest tokens only; 0 disables")
+    top_p: float = option(1.0, type=float, valid=lambda v: 0 < v <= 1, must="in (0, 1]",
+                          help="sample from the smallest set of tokens whose probability reaches p; 1.0 disables")
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check(self, error=ValueError)
 
     @property
     def greedy(self) -> bool:
