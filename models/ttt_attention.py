@@ -95,10 +95,10 @@ def chunk_scores(q: torch.Tensor, keys: Sequence[torch.Tensor], start: int, stop
     """Scores of query positions start..stop, q [B, Hkv, R, Hd] from `grouped` -> (causal block [B, Hkv, R, stop]
     over keys[0] at 0..stop, -inf above the diagonal; chain [B, Hkv, R, j] against keys[1..j] at the same positions),
     both in the statistics dtype."""
-    block = torch.matmul(q, keys[0][:, :, :stop].transpose(-1, -2)).to(stat_dtype(q.dtype)) * scaling
+    block = torch.matmul(q, keys[0][:, :, :stop].transpose(-1, -2)).to(stat_dtype(q.dtype)).mul_(scaling)
     position = torch.arange(start, stop, device=q.device)
-    future = torch.arange(stop, device=q.device)[None] > position[:, None]  # [C, stop]
-    block = block.unflatten(2, (-1, stop - start)).masked_fill(future, float("-inf")).flatten(2, 3)
+    future = position[None] > position[:, None]  # [C, C]: keys before `start` are all visible
+    block.unflatten(2, (-1, stop - start))[..., start:].masked_fill_(future, float("-inf"))
     return block, chain_dot(q, keys[1:], start, stop) * scaling  # [B, Hkv, R, stop], [B, Hkv, R, j]
 
 
@@ -116,7 +116,7 @@ class ChainAttention(torch.autograd.Function):
             stop = min(start + chunk, t)
             block, chain = chunk_scores(grouped(q, kv_heads, start, stop), keys, start, stop, scaling)
             top = torch.maximum(block.amax(-1), chain.amax(-1))[..., None]  # [B, Hkv, R, 1] one max for both
-            p, pc = torch.exp(block - top), torch.exp(chain - top)  # [B, Hkv, R, stop], [B, Hkv, R, j]
+            p, pc = block.sub_(top).exp_(), torch.exp(chain - top)  # [B, Hkv, R, stop], [B, Hkv, R, j]
             total = p.sum(-1, keepdim=True) + pc.sum(-1, keepdim=True)  # [B, Hkv, R, 1]
             o = torch.matmul(p.to(q.dtype), values[0][:, :, :stop]).to(st) + chain_sum(pc, values[1:], start, stop)
             write_grouped(out, kv_heads, start, stop, o / total)
@@ -140,11 +140,11 @@ class ChainAttention(torch.autograd.Function):
             qc = grouped(q, kv_heads, start, stop)  # [B, Hkv, R, Hd]
             block, chain = chunk_scores(qc, keys, start, stop, scaling)
             norm = grouped(lse, kv_heads, start, stop)[..., None]  # [B, Hkv, R, 1]
-            p, pc = torch.exp(block - norm), torch.exp(chain - norm)  # the forward's probabilities
+            p, pc = block.sub_(norm).exp_(), torch.exp(chain - norm)  # the forward's probabilities
             do = grouped(grad_out, kv_heads, start, stop)  # [B, Hkv, R, Hd]
             delta = (do.to(st) * grouped(out, kv_heads, start, stop).to(st)).sum(-1, keepdim=True)  # rowsum(dO∘O)
             dp = torch.matmul(do, values[0][:, :, :stop].transpose(-1, -2)).to(st)  # [B, Hkv, R, stop]
-            ds = (p * (dp - delta)).to(q.dtype)
+            ds = dp.sub_(delta).mul_(p).to(q.dtype)  # [B, Hkv, R, stop]
             dv0[:, :, :stop] += torch.matmul(p.to(q.dtype).transpose(-1, -2), do).to(st)
             dk0[:, :, :stop] += torch.matmul(ds.transpose(-1, -2), qc).to(st) * scaling
             dsc = pc * (chain_dot(do, values[1:], start, stop) - delta)  # [B, Hkv, R, j]

@@ -10,8 +10,9 @@ every step's outputs. After a warm-up at the smallest length, each (T, steps) ru
 one --repeats times, alternating; the quickest round of each is shown. Saved bytes count each storage autograd keeps
 for backward once (torch.autograd.graph.saved_tensors_hooks), the draft's parameters left out: the activation memory
 a training step holds at its peak, less the transient of one op. "per extra step" is (saved at n steps - saved at 1
-step) / (n - 1), from a 1-step run. Both attentions give the same outputs and gradients (tests/test_ttt_attention.py):
-this script only measures.
+step) / (n - 1), from a 1-step run (sdpa in both). --attentions picks one of the two (the dense block's saved bytes grow
+as T²: at T = 2,048 and 7 steps it needs more memory than a shared 2-core host should give). Both attentions give the
+same outputs and gradients (tests/test_ttt_attention.py): this script only measures.
 """
 
 from __future__ import annotations
@@ -166,16 +167,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
     p.add_argument("--intermediate", type=int, default=2816, help="MLP width (default 2816)")
     p.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
+    p.add_argument("--attentions", default="dense,chunked",
+                   help="which to run: dense, chunked or both (default dense,chunked)")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds per (T, steps), dense and chunked alternating; the quickest of each is shown (default 3)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="draft dtype (default fp32)")
     return p
 
 
+def parse_attentions(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(","))
+    if not names or any(n not in ATTENTIONS for n in names) or len(set(names)) != len(names):
+        raise UsageError(f"--attentions takes {' and/or '.join(ATTENTIONS)} joined by commas, got {text!r}")
+    return names
+
+
+def cell(value: float | None, width: int, digits: int = 2) -> str:
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
+def ratio(old: float | None, new: float | None) -> str:
+    return cell(new / old if old is not None and new is not None else None, 6, 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         lengths, step_counts = parse_ints("--lengths", args.lengths), parse_ints("--steps", args.steps)
+        attentions = parse_attentions(args.attentions)
         if min(args.hidden, args.heads, args.kv_heads, args.intermediate, args.batch, args.repeats) < 1:
             raise UsageError("--hidden, --heads, --kv-heads, --intermediate, --batch and --repeats must be >= 1")
         if args.hidden % args.heads or args.heads % args.kv_heads:
@@ -188,22 +207,24 @@ def main(argv: list[str] | None = None) -> int:
     draft = llama_draft(shape)
     print(f"draft: hidden {shape.hidden}, {shape.heads} heads over {shape.kv_heads} kv heads, MLP {shape.intermediate}, "
           f"{args.dtype}, batch {shape.batch}; {torch.get_num_threads()} threads; saved = bytes kept for backward "
-          f"(parameters left out), time = one forward + backward", flush=True)
-    for attention in ATTENTIONS:  # warm-up
-        measure(draft, shape, min(lengths), 2, attention)
+          f"(parameters left out), time = one forward + backward, the quickest of {args.repeats}", flush=True)
+    for attention in attentions:  # warm-up
+        measure(draft, shape, min(*lengths, 128), 2, attention)
     mib = 2**20
     print(f"{'T':>5} {'steps':>5} | {'saved MiB dense':>15} {'chunked':>8} {'ratio':>6} | {'per extra step MiB dense':>24} "
           f"{'chunked':>8} | {'s dense':>8} {'chunked':>8} {'ratio':>6}")
     for length in lengths:
-        one = {a: measure(draft, shape, length, 1, a).saved for a in ATTENTIONS}
+        one = measure(draft, shape, length, 1, "chunked").saved  # step 0 is sdpa in both
         for steps in step_counts:
-            runs = fastest([{a: measure(draft, shape, length, steps, a) for a in ATTENTIONS}
+            runs = fastest([{a: measure(draft, shape, length, steps, a) for a in attentions}
                             for _ in range(args.repeats)])
-            old, new = runs["dense"], runs["chunked"]
-            extra = {a: (runs[a].saved - one[a]) / max(steps - 1, 1) / mib for a in ATTENTIONS}
-            print(f"{length:>5} {steps:>5} | {old.saved / mib:>15.2f} {new.saved / mib:>8.2f} "
-                  f"{new.saved / old.saved:>6.3f} | {extra['dense']:>24.2f} {extra['chunked']:>8.2f} | "
-                  f"{old.seconds:>8.2f} {new.seconds:>8.2f} {new.seconds / old.seconds:>6.2f}", flush=True)
+            got = {a: runs.get(a) for a in ATTENTIONS}
+            saved = [r.saved / mib if r else None for r in got.values()]  # dense, chunked
+            extra = [(r.saved - one) / max(steps - 1, 1) / mib if r else None for r in got.values()]
+            seconds = [r.seconds if r else None for r in got.values()]
+            print(f"{length:>5} {steps:>5} | {cell(saved[0], 15)} {cell(saved[1], 8)} {ratio(*saved)} | "
+                  f"{cell(extra[0], 24)} {cell(extra[1], 8)} | {cell(seconds[0], 8)} {cell(seconds[1], 8)} "
+                  f"{ratio(*seconds)}", flush=True)
     return 0
 
 
