@@ -128,6 +128,8 @@ def test_train_cllm_packed_full_fine_tuning(setup, single_thread, tmp_path):
     ("method.trajectories=null", "method.trajectories is not set"),
     ("method.ar_weight=0 method.ar_loss=kl", "trains no KL term"),
     ("method.packing=true method.consistency=local", "method.packing=true trains global consistency only"),
+    ("method.backbone=full method.ar_loss=kl deepspeed=zero3", "method.ar_loss=kl with method.backbone=full under "
+                                                              "deepspeed=zero3"),
 ])
 def test_bad_method_settings_fail_in_one_line(override, message):
     from hydra import compose, initialize_config_module

@@ -44,6 +44,7 @@ from models.backbone import final_hidden
 from models.checkpoint import CheckpointError, backbone_folder, save_model_drafter
 from models.loading import load_target
 from train.config import CllmDivergence
+from train.distributed import gathered, zero_stage
 from train.medusa2_backbone import (
     BackboneOptions, backbone_writer, is_lora, load_backbone_weights, original_model, prepare_backbone)
 from train.method import StepOutput
@@ -242,6 +243,9 @@ def check_options(cfg: DictConfig) -> None:
         (m.consistency_weight < 0 or m.ar_weight < 0, "method.consistency_weight and method.ar_weight must be >= 0"),
         (m.packing and m.consistency == "local",
          "method.packing=true trains global consistency only: set method.consistency=global or method.packing=false"),
+        (m.ar_loss == "kl" and m.backbone == "full" and zero_stage(cfg.deepspeed.config) == 3,
+         "method.ar_loss=kl with method.backbone=full under deepspeed=zero3 would gather a frozen copy of the target "
+         "at every step: use method.backbone=lora (the teacher is the model with its adapters off) or ar_loss=ce"),
     ]
     for bad, message in problems:
         if bad:
@@ -342,8 +346,9 @@ class Method:
         with eval_mode(model):
             metrics = self.quality(model, batches, prompts, check_greedy=True, with_reference=self.m.ar_loss == "kl")
             if self.reference is None:
-                with original_model(model, lambda: self.frozen_original or self.load_original()) as original:
-                    self.reference = self.quality(original, batches, prompts, check_greedy=False)
+                with original_model(model, lambda: self.frozen_original or self.load_original()) as original, \
+                        gathered(original.parameters() if original is not model else ()):  # ZeRO-3: a loaded copy
+                    self.reference = self.quality(original, batches, prompts, check_greedy=False)  # is partitioned
         metrics.update({f"original_{k}": v for k, v in self.reference.items()})
         return metrics
 
