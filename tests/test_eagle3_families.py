@@ -27,7 +27,7 @@ from models.convert import main as convert_main
 from models.eagle3 import Eagle3Config, draft_rope, load_eagle3, read_eagle3_config, save_eagle3, token_lookup
 from models.eagle3_interop import foreign_config
 from tests.test_config import composed
-from tests.test_eagle3_interop import D, V, target_logits, vllm_reference_logits
+from tests.test_eagle3_interop import D, V, as_specforge, rewrite, target_logits, vllm_reference_logits
 from tests.test_lookahead import repetitive_prompts
 from train.eagle3 import Method
 
@@ -109,9 +109,11 @@ def test_every_family_trains_exports_imports_and_serves_losslessly(tmp_path, fam
     back = load_eagle3(tmp_path / "back", target_vocab_size=V)
     assert back.config.target == read_eagle3_config(ours).target  # the target's own config: vocabulary, family
     assert torch.equal(target_logits(back), target_logits(draft))
-    assert convert_main(["eagle3-import", str(tmp_path / "exported"), str(tmp_path / "based"), "--base",
-                         str(model_dir)]) == 0  # as SpecForge's folder would be read, against the target
-    assert torch.equal(target_logits(load_eagle3(tmp_path / "based")), target_logits(draft))
+    specforge = rewrite(tmp_path / "exported", config=as_specforge)  # no draftsmith key: the target from --base
+    assert convert_main(["eagle3-import", str(specforge), str(tmp_path / "based"), "--base", str(model_dir)]) == 0
+    based = load_eagle3(tmp_path / "based")
+    assert based.config.target["model_type"] == target.config.model_type and based.config.layers == LAYERS
+    assert torch.equal(target_logits(based), target_logits(draft))
 
     ids = torch.tensor([p[:6] for p in repetitive_prompts(6, 2)]) % V
     config = DecodeConfig(max_new_tokens=16)
