@@ -24,7 +24,8 @@ from inference.drafters.eagle3 import Eagle3Drafter
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import build_tree
 from models.convert import main as convert_main
-from models.eagle3 import Eagle3Config, draft_rope, load_eagle3, read_eagle3_config, save_eagle3, token_lookup
+from models.eagle3 import (Eagle3Config, Eagle3Draft, draft_rope, load_eagle3, norm_gain, read_eagle3_config,
+                           save_eagle3, token_lookup)
 from models.eagle3_interop import foreign_config
 from tests.test_config import composed
 from tests.test_eagle3_interop import D, V, as_specforge, rewrite, target_logits, vllm_reference_logits
@@ -130,8 +131,6 @@ def test_the_draft_reads_the_targets_table_and_final_norm(family):
     module's forward, not in the table), so the draft reads rows of the table; the draft's final norm, a Llama RMSNorm
     (x / rms(x) * w) initialised from the target's, computes the target's own final norm (Gemma's x / rms(x) *
     (1 + w))."""
-    from models.eagle3 import Eagle3Draft, norm_gain
-
     target = build_target(family)
     embedding = target.get_input_embeddings()
     ids = torch.tensor([[3, 7, 11]])
