@@ -7,7 +7,7 @@ width, C query positions per chunk, R = G * C score rows of one chunk (a key hea
 Step j's query at t attends to step 0's keys at s <= t (causal) and to the keys of steps 1..j at t itself (its own
 chain: what the chain it stands for sees at inference; SpecForge's and speculators' TTT mask, a causal block and one
 diagonal per extra step):
-    o_t = (Σ_{s<=t} e^{a_ts} v0_s + Σ_{i=1..j} e^{c_ti} vi_t) / Z_t,   a_ts = scaling q_t·k0_s,   c_ti = scaling q_t·ki_t
+    o_t = (Σ_{s<=t} e^{a_ts} v0_s + Σ_{i=1..j} e^{c_ti} vi_t) / Z_t,   a_ts = scaling q_t·k0_s,  c_ti = scaling q_t·ki_t
 Step 0 is torch's scaled_dot_product_attention (its fused kernels keep O(B·H·T) for backward). A later step runs
 `ChainAttention`, flash attention's recipe (Dao et al. 2022, alg. 1-2) in plain torch: over chunks of C query
 positions it scores the causal block [B, Hkv, R, <= T] and the j chain terms [B, Hkv, R, j] under one running max,
@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 CHUNK = 256  # query positions per chunk: a chunk's scores are [B, H, C, <= T]
@@ -103,7 +104,8 @@ def chunk_scores(q: torch.Tensor, keys: Sequence[torch.Tensor], start: int, stop
 
 
 class ChainAttention(torch.autograd.Function):
-    """Steps j >= 1 (the module docstring's formulas): apply(scaling, chunk, q, k0..kj, v0..vj) -> [B, H, T, Hd]."""
+    """Steps j >= 1 (the module docstring's formulas): apply(scaling, chunk, q, k0..kj, v0..vj) -> [B, H, T, Hd].
+    Gradients flow to q and every key and value; not twice differentiable."""
 
     @staticmethod
     def forward(ctx: Any, scaling: float, chunk: int, q: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
@@ -126,6 +128,7 @@ class ChainAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward is written out, not itself differentiated
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, *kv, out, lse = ctx.saved_tensors
         keys, values = kv[: len(kv) // 2], kv[len(kv) // 2 :]

@@ -1,7 +1,7 @@
 """EAGLE-3's training-time test attention, chunked (models/ttt_attention.py) against the dense [B, H, T, T] block it
 replaced: bytes saved for backward and the time of one forward + backward of `Eagle3Draft.unroll`, in one run.
 
-    python scripts/bench_ttt_attention.py                          # T 512,1024,2048 x 3,7 steps, hidden 1024, 16/4 heads
+    python scripts/bench_ttt_attention.py                        # T 512,1024,2048 x 3,7 steps, hidden 1024, 16/4 heads
     python scripts/bench_ttt_attention.py --lengths 256 --steps 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128
 
 A random Llama-shaped draft (hidden --hidden, --heads query heads over --kv-heads key heads, MLP --intermediate) unrolls
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attentions", default="dense,chunked",
                    help="which to run: dense, chunked or both (default dense,chunked)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="rounds per (T, steps), dense and chunked alternating; the quickest of each is shown (default 3)")
+                   help="rounds per (T, steps), the attentions alternating; the quickest of each is shown (default 3)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="draft dtype (default fp32)")
     return p
 
@@ -205,14 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shape = Shape(args.hidden, args.heads, args.kv_heads, args.intermediate, args.batch, DTYPES[args.dtype])
     draft = llama_draft(shape)
-    print(f"draft: hidden {shape.hidden}, {shape.heads} heads over {shape.kv_heads} kv heads, MLP {shape.intermediate}, "
+    print(f"draft: hidden {shape.hidden}, {shape.heads} heads over {shape.kv_heads} kv heads, "
+          f"MLP {shape.intermediate}, "
           f"{args.dtype}, batch {shape.batch}; {torch.get_num_threads()} threads; saved = bytes kept for backward "
           f"(parameters left out), time = one forward + backward, the quickest of {args.repeats}", flush=True)
     for attention in attentions:  # warm-up
         measure(draft, shape, min(*lengths, 128), 2, attention)
     mib = 2**20
-    print(f"{'T':>5} {'steps':>5} | {'saved MiB dense':>15} {'chunked':>8} {'ratio':>6} | {'per extra step MiB dense':>24} "
-          f"{'chunked':>8} | {'s dense':>8} {'chunked':>8} {'ratio':>6}")
+    print(f"{'T':>5} {'steps':>5} | {'saved MiB dense':>15} {'chunked':>8} {'ratio':>6} | "
+          f"{'per extra step MiB dense':>24} {'chunked':>8} | {'s dense':>8} {'chunked':>8} {'ratio':>6}")
     for length in lengths:
         one = measure(draft, shape, length, 1, "chunked").saved  # step 0 is sdpa in both
         for steps in step_counts:
