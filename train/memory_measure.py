@@ -1,0 +1,151 @@
+"""Measured peak memory of real training steps, to check train/memory_model.py against.
+
+A random Llama of the given shapes, the method's own code path (train/medusa1.py or train/eagle3.py: build,
+forward_loss, backward, AdamW step, zero_grad as HF Trainer does), two steps (the second runs with the optimizer's
+moments allocated). On CUDA the figure is torch.cuda.max_memory_allocated above what was allocated before the steps;
+on CPU it is the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set
+before the steps. glibc keeps freed blocks under its mmap threshold for reuse, so CPU runs should start with
+MALLOC_MMAP_THRESHOLD_=65536 in the environment (scripts/train_memory.py --measure sets it).
+Dimension letters: B batch, T time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from train.memory_model import Breakdown, Shape, TrainSetup, predict
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
+DTYPES = {2: torch.bfloat16, 4: torch.float32}
+MEASURED_METHODS = ("medusa1", "eagle3")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    setup: TrainSetup
+    measured: int  # bytes above the loaded model (target + trained weights) at the steps' peak
+    predicted: int  # the model's peak less the same resident weights
+    breakdown: Breakdown
+    seconds: float  # both steps
+    device: str
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted - self.measured) / self.measured
+
+
+def llama_config(shape: Shape):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                       num_key_value_heads=shape.kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=shape.tied)
+
+
+def method_config(setup: TrainSetup, model_path: str) -> DictConfig:
+    """conf/method/<method>.yaml with K set, and the model keys the methods read."""
+    from train.config import METHOD_SCHEMAS  # deferred: the schema registers Hydra configs on import
+
+    values = OmegaConf.load(CONF / f"{setup.method}.yaml")
+    values.pop("defaults", None)
+    method = OmegaConf.merge(OmegaConf.structured(METHOD_SCHEMAS[setup.method]), values)
+    key = "num_heads" if setup.method == "medusa1" else "ttt_steps"
+    method.name, method[key] = setup.method, setup.steps
+    if setup.method == "medusa1":
+        method.share_lm_head = setup.share_lm_head
+    if setup.method == "eagle3":
+        method.teacher = "topk" if setup.teacher == "none" else setup.teacher
+        method.soft_labels = 0.0 if setup.teacher == "none" else method.soft_labels
+    return OmegaConf.create({"method": method, "model": {"path": model_path, "trust_remote_code": False,
+                                                         "revision": None}})
+
+
+class PeakMemory:
+    """Peak bytes above the start, on `device` (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        self.base = self._status("VmRSS")
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return self._status("VmHWM") - self.base
+
+    @staticmethod
+    def _status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def random_batch(shape: Shape, setup: TrainSetup, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """B rows of T random tokens, every one trained."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, shape.vocab, (setup.batch, setup.seq), generator=g).to(device)  # [B, T]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def measure(shape: Shape, setup: TrainSetup, device: str = "cpu", seed: int = 0, steps: int = 2) -> Measurement:
+    """Build a random target of `shape` in the setup's dtype and the method's trained module; run `steps` steps;
+    return the measured peak next to the prediction (foreach set as torch picks it on this device)."""
+    from transformers import AutoModelForCausalLM
+
+    if setup.method not in MEASURED_METHODS:
+        raise ValueError(f"measure: {setup.method} is not measured here (one of {', '.join(MEASURED_METHODS)})")
+    dev = torch.device(device)
+    setup = replace(setup, foreach=dev.type == "cuda", autocast=False)  # the steps run without autocast
+    with tempfile.TemporaryDirectory(prefix="memory_measure_") as folder:
+        config = llama_config(shape)
+        config.save_pretrained(folder)  # eagle3 reads the target's depth from its config.json
+        cfg = method_config(setup, folder)
+        if setup.method == "medusa1":
+            from train.medusa1 import Method  # deferred: only the measured method's trainer
+        else:
+            from train.eagle3 import Method  # deferred: only the measured method's trainer
+        method = Method(cfg)
+    torch.manual_seed(seed)
+    with dev:
+        target = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.target_bytes], attn_implementation="sdpa")
+    model = method.build(target, tokenizer=None).to(dev)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=setup.foreach)
+    batch = random_batch(shape, setup, dev, seed)
+    meter = PeakMemory(dev)
+    meter.start()
+    start = time.perf_counter()
+    model.train()
+    for _ in range(steps):
+        out = method.forward_loss(model, batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del out
+    seconds = time.perf_counter() - start
+    measured = meter.peak()
+    breakdown = predict(shape, setup)
+    predicted = breakdown.peak - breakdown.target_weights - breakdown.trained_weights
+    return Measurement(setup, measured, predicted, breakdown, seconds, str(dev))
+
+
+def mmap_threshold_set() -> bool:
+    return "MALLOC_MMAP_THRESHOLD_" in os.environ
