@@ -25,10 +25,11 @@ from data.errors import UsageError
 from inference.api import load
 from inference.bench.methods import EngineRunner, Sampling
 from inference.bench.run import warm_up
-from inference.drafters.datastore import SMOOTHINGS, Datastore, TextCounts, load_datastore
+from inference.drafters.datastore import SMOOTHINGS, Datastore, load_datastore
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.drafters.registry import CLI, LoadOptions, build_training_free, resolve
+from inference.drafters.suffix_index import TextCounts
 from inference.drafters.with_lookup import WithLookup
 from inference.engine.drafter import DecodeState
 from inference.engine.loop import DecodeConfig, generate

@@ -39,8 +39,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from inference.drafters.datastore import Datastore, TextCounts
+from inference.drafters.datastore import Datastore
 from inference.drafters.path_trees import TreeCache, chain_nodes, paths_draft, row_prompts, taken_nodes
+from inference.drafters.suffix_index import TextCounts
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.verify import VerifyResult
 
