@@ -13,7 +13,11 @@ Every project module's imports are read with `ast` (none is executed). The rule,
 * A module's `if __name__ == "__main__":` block is a command line: it runs only when the module is the program, so
   it counts as a tool (`python -m data.jacobi` hands over to the collector in inference/ that way).
 * A function-local import of a project module is allowed only when it defers something heavy or optional on purpose,
-  and says so on its line: `# deferred: <reason>`. Imports under `if TYPE_CHECKING:` are typing only and exempt.
+  and says so on its line: `# deferred: <reason>`. Imports under `if TYPE_CHECKING:` are typing only and exempt
+  from that rule, not from the next one.
+* Across the whole tree, every import counted (typing-only ones and `__main__` blocks too), there is no cycle and no
+  upward edge: a module that needs a type from above takes a Protocol, and a program's hand-over to a tool sits in
+  the tool, so reading any module never leads back to itself.
 
 `python tests/test_layering.py` prints the figures (cycles, upward edges, function-local imports).
 """
@@ -55,6 +59,7 @@ class Import:
     local: bool  # inside a function body
     justified: bool  # the line carries "# deferred: <reason>"
     main: bool = False  # under `if __name__ == "__main__":` (runs only as a program: a tool's import)
+    typing: bool = False  # under `if TYPE_CHECKING:` (never runs: a type annotation's import)
 
 
 def module_files() -> dict[str, Path]:
@@ -131,15 +136,16 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[Import] = []
 
-    def visit(node: ast.AST, local: bool, main: bool = False) -> None:
+    def visit(node: ast.AST, local: bool, main: bool = False, typing: bool = False) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child):
+                visit(child, local, main, True)
                 continue
             if isinstance(child, ast.If) and _is_main_block(child) and not local:
-                visit(child, local, True)
+                visit(child, local, True, typing)
                 continue
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                visit(child, True, main)
+                visit(child, True, main, typing)
                 continue
             if isinstance(child, ast.Import):
                 names = [a.name for a in child.names]
@@ -150,11 +156,11 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
                     base = ".".join([*anchor, base] if base else anchor)
                 names = [f"{base}.{a.name}" for a in child.names] or [base]
             else:
-                visit(child, local, main)
+                visit(child, local, main, typing)
                 continue
             justified = DEFERRED in lines[child.lineno - 1]
             targets = {_resolve(name, known) for name in names} - {None, module}
-            found.extend(Import(module, t, child.lineno, local, justified, main) for t in sorted(targets))
+            found.extend(Import(module, t, child.lineno, local, justified, main, typing) for t in sorted(targets))
 
     visit(tree, False)
     return found
@@ -211,8 +217,15 @@ def upward(edges: list[Import]) -> list[Import]:
 
 
 def import_time(edges: list[Import]) -> list[Import]:
-    """The edges that run when a module is imported: a `__main__` block's run only when it is the program."""
-    return [e for e in edges if not e.main]
+    """The edges that run when a module is imported: a `__main__` block's run only when it is the program, a
+    `TYPE_CHECKING` block's never."""
+    return [e for e in edges if not e.main and not e.typing]
+
+
+def whole_tree_upward(edges: list[Import]) -> list[Import]:
+    """Every edge to a higher layer, a `__main__` block's and a typing-only one's too (in place of `upward`'s
+    allowance for programs)."""
+    return [e for e in edges if layer(e.target) > layer(e.source)]
 
 
 def _show(e: Import) -> str:
@@ -230,7 +243,17 @@ def test_all_imports_have_no_cycle() -> None:
 
 
 def test_no_upward_import() -> None:
-    assert [_show(e) for e in upward(all_imports())] == []
+    assert [_show(e) for e in upward([e for e in all_imports() if not e.typing])] == []
+
+
+def test_whole_tree_has_no_cycle() -> None:
+    """Every import counted, typing-only and `__main__` blocks too: no module leads back to itself."""
+    assert cycles(all_imports()) == []
+
+
+def test_whole_tree_has_no_upward_edge() -> None:
+    """Every import counted: nothing below a layer names it, not even for a type or a program's hand-over."""
+    assert [_show(e) for e in whole_tree_upward(all_imports())] == []
 
 
 def test_every_inference_module_has_a_group() -> None:
@@ -301,13 +324,31 @@ def test_rule_sees_a_planted_upward_import(tmp_path: Path) -> None:
     assert cycles(loop) == [["a", "b", "c"]]
 
 
+
+def test_whole_tree_rule_sees_typing_and_main_imports(tmp_path: Path) -> None:
+    """A typing-only import and a `__main__` block's are found, left out of what runs at import time, and counted by
+    the whole-tree rules (the early_exit <-> refs and data.jacobi <-> collector circles were such edges)."""
+    path = tmp_path / "planted.py"
+    path.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from inference.api import Engine\n\n"
+                    "if __name__ == \"__main__\":\n    from train.cli import main\n")
+    found = imports_of("models.planted", path, set(module_files()) | {"models.planted"})
+    assert [(e.target, e.typing, e.main) for e in found] == [("inference.api", True, False), ("train.cli", False, True)]
+    assert import_time(found) == [] and upward([e for e in found if not e.typing]) == []
+    assert [e.target for e in whole_tree_upward(found)] == ["inference.api", "train.cli"]
+    back = [Import("inference.api", "models.planted", 1, False, False)]
+    assert cycles(found + back) == [["inference.api", "models.planted"]]
+
 if __name__ == "__main__":
     edges = all_imports()
     local = [e for e in edges if e.local]
     print(f"modules: {len(module_files())}, project import edges: {len(edges)}")
     print(f"cycles among module-level imports: {cycles([e for e in import_time(edges) if not e.local])}")
     print(f"cycles with function-local imports: {cycles(import_time(edges))}")
-    ups = upward(edges)
+    print(f"cycles with every import (typing-only, __main__ blocks): {cycles(edges)}")
+    print(f"upward edges with every import: {len(whole_tree_upward(edges))}")
+    for e in whole_tree_upward(edges):
+        print("  ", _show(e), "(__main__)" if e.main else "(typing)" if e.typing else "")
+    ups = upward([e for e in edges if not e.typing])
     print(f"upward edges: {len(ups)}")
     for e in ups:
         print("  ", _show(e), "(local)" if e.local else "")
