@@ -4,7 +4,9 @@
         --output distilled.jsonl [--drafter <medusa checkpoint>] [--temperature 0.7]
     python -m train medusa2 +model=vicuna7b data=sharegpt data.path=distilled.jsonl
 
-Resumable: rerun the same command after an interruption. Logic: inference/collect/self_distill.py.
+One GPU a rank: `torchrun --nproc_per_node 8 scripts/self_distill.py ...` shares the prompts (rank files beside
+--output, merged into it by rank 0). Resumable under any world size: rerun after an interruption.
+Logic: inference/collect/self_distill.py.
 """
 
 import sys

@@ -158,7 +158,8 @@ def chats(tmp_path_factory) -> Path:
 
 def test_the_trainer_answers_on_its_training_device(model_dir, chats, tmp_path, monkeypatch):
     """trainer_datasets moves the target to args.device before the engine gets it: with args naming the meta device,
-    the generator receives a model on meta (a CPU target would show it was not moved)."""
+    the generator receives a model on meta (a CPU target would show it was not moved); the generator runs it in eval
+    mode and the trainer gets it back in the mode it handed over."""
     import train.self_distill as self_distill_module
     from data.config import load_data_config
     from models.loading import load_target, load_tokenizer
@@ -166,7 +167,7 @@ def test_the_trainer_answers_on_its_training_device(model_dir, chats, tmp_path, 
     seen = []
 
     def generator(engine, tokenizer, conversations, output, config, progress=None, on_skip=None):
-        seen.append({p.device.type for p in engine.model.parameters()})
+        seen.append(({p.device.type for p in engine.model.parameters()}, engine.model.training))
         with open(output, "a") as f:  # an answer per conversation, as the engine would write it
             for i, conversation in conversations:
                 messages = [conversation[0], {"role": "assistant", "content": "ok"}]
@@ -177,12 +178,13 @@ def test_the_trainer_answers_on_its_training_device(model_dir, chats, tmp_path, 
     data = load_data_config("sharegpt", {"path": str(chats), "max_length": 64, "validation_fraction": 0.0,
                                          "self_distill_samples": 6, "self_distill_new_tokens": 4})
     cfg = OmegaConf.create({"seed": 0, "model": {"chat_template": None}, "data": data})
-    target = load_target(str(model_dir), dtype="fp32")
+    target = load_target(str(model_dir), dtype="fp32").train()  # frozen, in the mode a trainer may hand over
     args = SimpleNamespace(device=torch.device("meta"), process_index=0, world_size=1)
     datasets = self_distill_module.trainer_datasets(cfg, target, load_tokenizer(str(model_dir)), args, tmp_path,
                                                     SplitDatasets(train=[], validation=None))
-    assert seen == [{"meta"}]
+    assert seen == [({"meta"}, False)]
     assert {p.device.type for p in target.parameters()} == {"meta"}  # left where the trainer trains it
+    assert target.training and not any(p.requires_grad for p in target.parameters())  # in the state it came in
     assert len(datasets.train) == 6
 
 
@@ -269,3 +271,21 @@ def test_jacobi_device_and_dtype_defaults_and_bad_values(model_dir, chats, tmp_p
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
     assert not (tmp_path / "t.jsonl").exists()
+
+
+# --- the offline self-distillation tool ----------------------------------------------------------------------------
+
+@pytest.mark.distributed
+def test_two_ranks_of_the_offline_tool_answer_every_conversation_once(model_dir, chats, tmp_path):
+    output = tmp_path / "distilled.jsonl"
+    args = ["--model", str(model_dir), "--data", str(chats), "--output", str(output), "--max-new-tokens", "4",
+            "--batch-size", "3", "--max-samples", "9", "--dtype", "fp32"]
+    result = run([*torchrun("scripts/self_distill.py"), *args])
+    written = [int(line.split(": ")[1].split()[0]) for line in result.stdout.splitlines()
+               if "conversations written" in line]
+    assert len(written) == 2 and all(written)  # both ranks answered
+    ids = [r["id"] for r in lines(output)]
+    assert len(ids) == len(set(ids)) == sum(written) <= 9  # an empty answer is not written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["distilled.jsonl"]
+    again = run([sys.executable, "scripts/self_distill.py", *args])
+    assert "0 conversations written" in again.stdout

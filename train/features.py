@@ -40,7 +40,7 @@ from data.features import (
     MANIFEST, PROMPTS, STORAGE_DTYPES, FeatureCacheError, Manifest, remove_partial_shards, shard_name,
     write_shard,
 )
-from inference.collect.shared import World
+from inference.collect.shared import World, rank_device
 from models.backbone import padded_position_ids
 from models.eagle3 import fused_layers
 from models.fingerprint import target_fingerprint, tokenizer_fingerprint
@@ -233,12 +233,6 @@ def self_distill_bound(cfg: DictConfig, tokenizer: Any, chosen: list[tuple[str, 
     return total * cfg.data.self_distill_answers
 
 
-def device_for_rank() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
@@ -345,14 +339,14 @@ class Method:
                              double_quant=cfg.model.double_quant, attn_implementation=cfg.model.attn_implementation,
                              trust_remote_code=cfg.model.trust_remote_code, revision=cfg.model.revision)
         if cfg.model.quantization in (None, "none"):
-            target = target.to(device_for_rank())
+            target = target.to(rank_device())
         return target.eval()
 
     def extract(self, cfg: DictConfig, target: nn.Module, folder: Path, splits: dict[str, Any], todo: list[ShardPlan],
                 mine: int, manifest: Manifest, tokenizer_pad: int) -> dict[str, float]:
         from tqdm.auto import tqdm
 
-        device = device_for_rank()
+        device = rank_device()
         collate = ChatCollator(tokenizer_pad)
         taps = LayerTaps(target, manifest.layers)
         left = sum(p.tokens for p in todo)

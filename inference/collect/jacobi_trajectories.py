@@ -30,7 +30,8 @@ from data.collate import left_pad
 from data.config import load_data_config
 from data.errors import UsageError
 from data.jacobi import PromptSample, prompt_samples, trajectory_record
-from inference.collect.shared import POLL_SECONDS, RankFiles, World, claim, merge, share, wait_until_done
+from inference.collect.shared import (
+    POLL_SECONDS, RankFiles, World, claim, merge, rank_device, share, wait_until_done)
 from inference.drafters.jacobi import INITS, JacobiOptions, jacobi_blocks
 from models.backbone import eos_token_ids
 from models.builtin import DTYPES
@@ -112,15 +113,10 @@ def data_overrides(overrides: Sequence[str]) -> list[str]:
     return [o[len("data."):] for o in overrides]
 
 
-def default_device() -> str:
-    """The rank's GPU (LOCAL_RANK, as launchers set it) when CUDA is available, else the CPU."""
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-
-
 def placement(device: str | None, dtype: str | None) -> tuple[torch.device, str]:
     """(--device, --dtype) checked, with their defaults: bf16 on an accelerator, fp32 on the CPU. UsageError or
     ModelLoadError (one line) for a dtype or a device this machine does not have."""
-    placed = check_device(device or default_device())
+    placed = check_device(device or rank_device())
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     return placed, dtype or ("fp32" if placed.type == "cpu" else "bf16")

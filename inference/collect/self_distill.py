@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ from data.chat import Conversation, encode_prompt
 from data.readers import DataError, read_conversations
 from data.templates import ChatTemplateError
 from inference.api import load
-from inference.collect.shared import done_ids
+from inference.collect.shared import RankFiles, World, claim, done_ids, merge, rank_device, share, wait_until_done
 from models.backbone import eos_token_ids
 from models.checkpoint import CheckpointError
 from models.loading import ModelLoadError, load_tokenizer
@@ -242,7 +243,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: the conf/model's, else bf16)")
     p.add_argument("--quantization", default=None, choices=(None, "nf4"))
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--device", default=None, help="default: the rank's GPU when CUDA is available, else cpu")
     p.add_argument("--on-error", default="raise", choices=("raise", "skip"), help="bad input records")
     p.add_argument("--answer-index", type=int, default=0,
                    help="n > 0: a further sampled answer to every prompt (needs --temperature > 0), written with ids "
@@ -252,8 +253,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
+    """The offline tool. Under a launcher (RANK / WORLD_SIZE) the ranks share the conversations through files beside
+    --output (inference.collect.shared): rank r answers into `<stem>.rank{r:03d}.jsonl`, rank 0 merges them into
+    --output once every conversation is answered or skipped; resumable under any world size."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.answer_index < 0:
@@ -264,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
               "first", file=sys.stderr)
         return 2
     settings = model_settings(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = SelfDistillConfig(
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
@@ -272,17 +273,27 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.answer_index if args.seed is None else args.seed,
     )
     try:
+        world = World.from_env()
         records = read_conversations(args.data, args.format, on_error=args.on_error)
         conversations = [(answer_id(record_id(s), args.answer_index), c)
                          for s, c in zip(records.sources, records.conversations)][: args.max_samples]
         tokenizer = load_tokenizer(settings.ref, config.chat_template)
         engine = load(args.drafter, base=settings.path, dtype=args.dtype or settings.dtype or "bf16",
-                      device=device, quantization=args.quantization)
-        stats = self_distill(engine, tokenizer, conversations, args.output, config)
+                      device=args.device or str(rank_device()), quantization=args.quantization)
+        files = RankFiles(args.output.parent, prefix=f"{args.output.stem}.")
+        ids = [i for i, _ in conversations]
+        done = claim(files, world, also=[args.output])
+        mine = [conversations[i] for i in share(ids, world, done)]
+        stats = self_distill(engine, tokenizer, mine, files.records(world.rank), config,
+                             on_skip=partial(files.skip, world.rank))
+        if world.rank == 0:
+            wait_until_done(files, ids, also=[args.output])
+            merge(files, args.output, ids)
     except (DataError, ChatTemplateError, CheckpointError, ModelLoadError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"{args.output}: {stats.written} conversations written, {stats.already_done} already done, "
+    where = args.output if world.rank == 0 else files.records(world.rank)
+    print(f"{where}: {stats.written} conversations written, {sum(i in done for i in ids)} already done, "
           f"{stats.too_long} over --max-prompt-tokens, {stats.empty} with an empty answer (not written), "
           f"{stats.truncated_turns} answers cut at --max-new-tokens, {stats.shortened} ended before a later turn "
           f"over --max-prompt-tokens", flush=True)

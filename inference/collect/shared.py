@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+import torch
+
 from data.atomic import write_file
 from data.errors import UsageError
 
@@ -59,6 +61,14 @@ class World:
         if not 0 <= rank < size:
             raise UsageError(f"RANK={rank} is outside WORLD_SIZE={size}")
         return cls(rank, size)
+
+
+def rank_device(environ: Mapping[str, str] = os.environ) -> torch.device:
+    """This rank's GPU (cuda:LOCAL_RANK, as launchers set it; cuda:0 without one) when CUDA is available, else the
+    CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
 
 
 @dataclass(frozen=True)
