@@ -36,7 +36,6 @@ from inference.api import Engine
 from inference.collect.self_distill import DistillStats, SelfDistillConfig, answer_id, self_distill
 from inference.collect.shared import POLL_SECONDS, RankFiles, World, claim, share, wait_until_done
 from inference.engine.drafter import NoDrafter
-from train.distributed import gathered, is_partitioned
 
 log = logging.getLogger("draftsmith")
 
@@ -106,9 +105,10 @@ def with_distilled_train(cfg: DictConfig, tokenizer: Any, path: Path, datasets: 
 
 
 def on_device(target: nn.Module, device: torch.device) -> nn.Module:
-    """`target` on `device`, where the trainer trains it: moved, unless its weights were placed when it loaded (a 4-bit
-    model, loaded there by device_map; ZeRO-3 partitions, which `gathered` assembles on every rank)."""
-    if getattr(target, "hf_quantizer", None) is not None or any(is_partitioned(p) for p in target.parameters()):
+    """`target` on `device`, where the trainer trains it: moved, unless it is a 4-bit model, which train.task loads
+    there (device_map) and which cannot move. (ZeRO-3 targets are partitioned and cannot generate: train.checks
+    refuses data.self_distill with them.)"""
+    if getattr(target, "hf_quantizer", None) is not None:
         return target
     return target.to(device)
 
@@ -130,20 +130,17 @@ def share_answers(cfg: DictConfig, target: nn.Module, tokenizer: Any, chosen: li
     """Every answer of data.self_distill_answers to `chosen` (chosen_conversations), shared by the ranks of `world`
     through folder/self_distill/ (inference.collect.shared): ids answered or skipped there already (an earlier run,
     maybe under another world size) are left out, this rank answers its share of each pass into its own file, then
-    waits, polling the files, until every rank's share is there (no collective waits on a generation). Under ZeRO-3
-    the whole target is gathered on every rank for the generation, and released after the wait: both are
-    collectives, entered by every rank at about the same time."""
+    waits, polling the files, until every rank's share is there: no collective waits on a generation."""
     files = RankFiles(folder / SELF_DISTILL_DIR)
     passes = answer_passes(cfg, chosen)
     done = claim(files, world)
     stats = []
-    with gathered(target.parameters()):
-        for desc, pairs, config in passes:
-            mine = [pairs[i] for i in share([i for i, _ in pairs], world, done)]
-            desc = desc if world.size == 1 else f"{desc} (rank {world.rank})"
-            stats.append(answer(target, tokenizer, mine, files.records(world.rank), config, desc=desc,
-                                answered=sum(i in done for i, _ in pairs), on_skip=partial(files.skip, world.rank)))
-        wait_until_done(files, [i for _, pairs, _ in passes for i, _ in pairs], poll=poll)
+    for desc, pairs, config in passes:
+        mine = [pairs[i] for i in share([i for i, _ in pairs], world, done)]
+        desc = desc if world.size == 1 else f"{desc} (rank {world.rank})"
+        stats.append(answer(target, tokenizer, mine, files.records(world.rank), config, desc=desc,
+                            answered=sum(i in done for i, _ in pairs), on_skip=partial(files.skip, world.rank)))
+    wait_until_done(files, [i for _, pairs, _ in passes for i, _ in pairs], poll=poll)
     if next(target.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the generation's KV caches, before the trainer allocates
     return stats
