@@ -22,6 +22,10 @@ Sections, on a random Llama of Llama-2-7B's shapes (random weights: the shapes d
             decoding token for token (fp32: no near ties allowed), and seeded sampling must run
     tiny    `python -m inference bench` of the tiny target's Medusa-1 heads (README setup: MT-bench first turns, 128
             new tokens, greedy, fp32), from a bundle made by --pack-tiny; skipped, with the reason, without one
+    recipes the real commands as subprocesses on a random target of --recipe-shape saved first (Llama-3.1-8B's on a
+            GPU): `python -m train medusa1` and `python -m train eagle3` with self-distillation on the bundled corpus,
+            then their exports (`python -m models.convert vllm-export` / `eagle3-export`); per command wall time,
+            tokens/s and peak memory beside train/memory_model.py's prediction (scripts/gpu_check_recipes.py)
 A section that fails records its error and the run goes on; the exit status is then 1. Bad arguments end with one line
 and exit status 2 before any model is built. --small shrinks every shape and count (a smoke test, on CPU or GPU).
 """
@@ -46,9 +50,12 @@ from typing import Any, Callable, NoReturn
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_check_report, however this file was started
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_check_*, however this file was started
 
-SECTIONS = ("train", "nf4", "engine", "drafters", "tiny")
+from gpu_check_drafters import drafters_section  # noqa: E402
+from gpu_check_recipes import RECIPE_SHAPES, recipes_section  # noqa: E402
+
+SECTIONS = ("train", "nf4", "engine", "drafters", "tiny", "recipes")
 # What the sections import (transformers and its own dependencies, omegaconf, hydra-core, accelerate): tried after the
 # argument checks, so a machine that lacks a package says so in one line before any model is built.
 REQUIRED = ("transformers", "train.medusa1_cost", "inference.bench.engine_check", "inference.cli")
@@ -131,6 +138,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     p.add_argument("--tiny", help="bundle folder from --pack-tiny (section tiny)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recipe-shape", help=f"section recipes: one of {', '.join(RECIPE_SHAPES)} (default: llama3_1_8b "
+                   "on a GPU, llama_1_7b on a CPU, small with --small)")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--pack-tiny", metavar="DIR", help="copy what section tiny needs into DIR (a new folder) and exit")
     p.add_argument("--tiny-drafter", default="outputs/medusa1/tiny", help="with --pack-tiny: the medusa1 checkpoint")
@@ -178,6 +187,8 @@ def check_args(args: argparse.Namespace) -> tuple[Path, torch.device, tuple[str,
         missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
         if missing:
             fail(f"--tiny {bundle}: no {missing[0]} (make the bundle with --pack-tiny)")
+    if args.recipe_shape is not None and args.recipe_shape not in RECIPE_SHAPES:
+        fail(f"--recipe-shape {args.recipe_shape}: one of {', '.join(RECIPE_SHAPES)}")
     if args.threads is not None and args.threads < 1:
         fail(f"--threads must be >= 1, got {args.threads}")
     for name in REQUIRED:
@@ -284,68 +295,6 @@ def engine_section(model: torch.nn.Module, plan: Plan, device: torch.device, see
     hi_dtype = torch.float32 if device.type == "cuda" else torch.float64
     setup = EngineSetup(prompts, plan.new_tokens, plan.tree_sizes, plan.context, plan.reps, hi_dtype, seed)
     return check_engine(model, lm_head_heads(model, plan.medusa_heads), setup, progress.say)
-
-
-def drafters_section(folder: Path, plan: Plan, device: torch.device, seed: int, progress: Progress) -> dict:
-    """Greedy identity of every drafter kind, loaded as a user loads it, on `device` (see the module docstring)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: after the package checks
-
-    from inference import load  # deferred: after the package checks
-    from inference.bench.engine_check import lm_head_eagle3, lm_head_heads  # deferred: after the package checks
-    from models.checkpoint import save_drafter  # deferred: after the package checks
-    from models.eagle3 import save_eagle3  # deferred: after the package checks
-
-    config = LlamaConfig(vocab_size=plan.drafter_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-    base = folder / "target"
-    target.save_pretrained(base)
-    save_drafter(folder / "medusa", lm_head_heads(target, 3), str(base))
-    save_eagle3(folder / "eagle3", lm_head_eagle3(target), str(base))
-    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for mine, theirs in zip(draft.parameters(), target.parameters()):
-            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
-    draft.save_pretrained(folder / "draft")
-    kinds = {"medusa": (folder / "medusa", None), "eagle3": (folder / "eagle3", None),
-             "eagle3_dynamic": (folder / "eagle3", "dynamic:10:4:3"), "draft_model": (folder / "draft", "chain:3"),
-             "prompt_lookup": ("prompt_lookup", None), "lookahead": ("lookahead", None), "jacobi": ("jacobi", None)}
-    g = torch.Generator().manual_seed(seed)
-    prompts = []
-    for row, length in enumerate(plan.drafter_prompts):  # a short pattern repeated: drafts find matches
-        pattern = torch.randint(3, plan.drafter_vocab, (row % 4 + 1,), generator=g).tolist()
-        prompts.append((pattern * length)[:length])
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        def engine(path, tree=None, device_=device):
-            return load(path, base=str(base), dtype="fp32", device=device_, tree=tree)
-
-        def run(loaded, **sampling):
-            return loaded.generate_ids(prompts, max_new_tokens=plan.drafter_new_tokens, **sampling)
-
-        plain = run(engine(None))
-        on_cpu = run(engine(None, device_="cpu"))
-        results: dict[str, Any] = {
-            "prompts": len(prompts), "new_tokens": plan.drafter_new_tokens,
-            "plain_device_vs_cpu_identical_rows": sum(a == b for a, b in zip(plain.sequences, on_cpu.sequences))}
-        for name, (path, tree) in kinds.items():
-            progress.say(f"drafters: {name}")
-            loaded = engine(path, tree)
-            out, sampled = run(loaded), run(loaded, temperature=0.8, top_k=20, seed=seed)
-            results[name] = {
-                "identical_rows": sum(a == b for a, b in zip(out.sequences, plain.sequences)),
-                "tau": 1.0 + out.stats.mean_accepted, "target_forwards": out.stats.target_forwards,
-                "sampled_tokens": sampled.stats.new_tokens}
-        results["mismatched"] = [name for name in kinds if results[name]["identical_rows"] != len(prompts)]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    if results["mismatched"]:
-        raise AssertionError(f"greedy output differs from plain greedy decoding for {', '.join(results['mismatched'])}"
-                             f": {json.dumps({n: results[n] for n in results['mismatched']})}")
-    return results
 
 
 def tiny_section(bundle: Path, out: Path, plan: Plan, device: torch.device) -> dict:
@@ -461,12 +410,18 @@ def main(argv: list[str]) -> int:
     if "drafters" in sections:
         with tempfile.TemporaryDirectory(prefix="gpu_check_drafters_") as scratch:
             run_section("drafters", results, out, progress, lambda: drafters_section(Path(scratch), plan, device,
-                                                                                     args.seed, progress))
+                                                                                     args.seed, progress.say))
     if "tiny" in sections:
         if bundle is None:
             results["tiny"] = {"skipped": "no --tiny bundle given (make one with --pack-tiny)"}
         else:
             run_section("tiny", results, out, progress, lambda: tiny_section(bundle, out, plan, device))
+    if "recipes" in sections:
+        default = "small" if args.small else "llama3_1_8b" if device.type == "cuda" else "llama_1_7b"
+        shape = args.recipe_shape or default
+        with tempfile.TemporaryDirectory(prefix="gpu_check_recipes_") as scratch:
+            run_section("recipes", results, out, progress, lambda: recipes_section(shape, Path(scratch), out, device,
+                                                                                   args.seed, progress.say))
     write(out, results, progress)
     print((out / REPORT_NAME).read_text(), end="")
     failed = [name for name in sections if isinstance(results.get(name), dict) and "error" in results[name]]

@@ -96,6 +96,26 @@ def tiny_lines(tiny: Any) -> list[str]:
             f"{_f(s['engine_efficiency'])}; greedy outputs identical: {check.get('identical')}"]
 
 
+def recipe_lines(recipes: Any) -> list[str]:
+    lines = unavailable("recipes", recipes)
+    if lines:
+        return lines
+    plan = recipes["plan"]
+    lines = [f"recipes on a random {recipes['shape']} (hidden {plan['hidden']} x {plan['layers']} layers, vocab "
+             f"{plan['vocab']}; batch {plan['batch']}, max length {plan['max_length']}, {plan['steps']} steps, "
+             f"{plan['prompts']} self-distilled prompts), peak memory vs train/memory_model.py's prediction:"]
+    for name, row in recipes["commands"].items():
+        peak = row["cuda_peak_bytes"] if row["cuda_peak_bytes"] is not None else row["peak_rss_bytes"]
+        kind = "GPU allocated" if row["cuda_peak_bytes"] is not None else "resident set"
+        line = f"  {name:14}{row['wall_s']:7.1f} s   peak {peak / 2**30:7.2f} GiB ({kind})"
+        if "predicted" in row:
+            p, bound = row["predicted"], row["bound"]
+            line += (f"   {row['tokens_per_s']:9.0f} tok/s   predicted {p['peak_bytes'] / 2**30:.2f} GiB at "
+                     f"T={p['seq']} (the {p['phase']}), {bound['peak_bytes'] / 2**30:.2f} GiB at T={bound['seq']}")
+        lines.append(line)
+    return lines
+
+
 def format_report(results: dict[str, Any]) -> str:
     m, p = results["meta"], results["meta"]["plan"]
     head = (f"draftsmith GPU check on {m['device_name']} ({m['device']}{', --small' if m['small'] else ''}): random "
@@ -103,7 +123,7 @@ def format_report(results: dict[str, Any]) -> str:
     bad = [f"NaN or infinite, written as null: {', '.join(m['nonfinite'])}"] if m.get("nonfinite") else []
     return "\n".join([head, *bad, *train_lines(results.get("train"), results.get("nf4")),
                       *engine_lines(results.get("engine")), *drafter_lines(results.get("drafters")),
-                      *tiny_lines(results.get("tiny"))])
+                      *tiny_lines(results.get("tiny")), *recipe_lines(results.get("recipes"))])
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def test_pack_copies_checkpoint_base_and_questions_only(bundle):
 @pytest.mark.slow
 def test_cpu_dry_run_measures_every_section(bundle, tmp_path):
     out = tmp_path / "out"
-    result = run_script("--device", "cpu", "--small", "--out", out, "--tiny", bundle)
+    result = run_script("--device", "cpu", "--small", "--out", out, "--tiny", bundle, "--sections",
+                        "train,nf4,engine,drafters,tiny")  # recipes: its own test below
     assert result.returncode == 0, result.stderr[-4000:]
     r = json.loads((out / "gpu_check.json").read_text())
     assert set(r) == {"meta", "train", "nf4", "engine", "drafters", "tiny"}
@@ -125,7 +126,31 @@ def test_cpu_dry_run_measures_every_section(bundle, tmp_path):
     assert "rows identical to plain greedy: medusa 2/2" in report
 
 
-@pytest.mark.parametrize("case", ["cuda", "out_parent", "bundle", "sections"])
+@pytest.mark.slow
+def test_recipes_run_the_real_commands_and_report_their_figures(tmp_path):
+    """Section recipes with --small on the CPU: both trainers and both exports as subprocesses, each with its wall
+    time and peak; the trainers with their tokens/s and the memory model's prediction."""
+    out = tmp_path / "out"
+    result = run_script("--device", "cpu", "--small", "--out", out, "--sections", "recipes")
+    assert result.returncode == 0, result.stderr[-4000:]
+    r = json.loads((out / "gpu_check.json").read_text())["recipes"]
+    commands = r["commands"]
+    assert list(commands) == ["medusa1", "vllm-export", "eagle3", "eagle3-export"] and r["shape"] == "small"
+    for name, row in commands.items():
+        assert positive(row["wall_s"]) and row["peak_rss_bytes"] > 0 and row["cuda_peak_bytes"] is None
+        assert row["command"].startswith("python -m " + ("train " + name if "export" not in name else "models.convert"))
+    for name in ("medusa1", "eagle3"):
+        row = commands[name]
+        assert positive(row["tokens_per_s"]) and row["steps"] == r["plan"]["steps"]
+        assert 0 < row["predicted"]["peak_bytes"] <= row["bound"]["peak_bytes"]
+        assert row["bound"]["seq"] == r["plan"]["max_length"]
+    assert {"config.json", "model.safetensors"} <= set(commands["eagle3-export"]["files"])
+    assert {"config.json", "model.safetensors"} <= set(commands["vllm-export"]["files"])
+    report = (out / "gpu_check.txt").read_text()
+    assert "recipes on a random small" in report and "eagle3-export" in report and "FAILED" not in report
+
+
+@pytest.mark.parametrize("case", ["cuda", "out_parent", "bundle", "sections", "recipe_shape"])
 def test_bad_arguments_end_in_one_line_before_any_model(tmp_path, case):
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here: --device cuda is a valid argument")
@@ -133,7 +158,8 @@ def test_bad_arguments_end_in_one_line_before_any_model(tmp_path, case):
     args = {"cuda": ("--device", "cuda", "--small", "--out", out),
             "out_parent": ("--device", "cpu", "--small", "--out", tmp_path / "missing" / "out"),
             "bundle": ("--device", "cpu", "--small", "--out", out, "--tiny", tmp_path),
-            "sections": ("--device", "cpu", "--small", "--out", out, "--sections", "train,gpu")}[case]
+            "sections": ("--device", "cpu", "--small", "--out", out, "--sections", "train,gpu"),
+            "recipe_shape": ("--device", "cpu", "--small", "--out", out, "--recipe-shape", "llama9")}[case]
     result = run_script(*args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
