@@ -69,26 +69,27 @@ def write_grouped(x: torch.Tensor, kv_heads: int, start: int, stop: int, rows: t
 
 def chain_dot(rows: torch.Tensor, others: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
     """rows [B, Hkv, R, Hd] (positions start..stop) · others[i] [B, Hkv, T, Hd] at the same positions -> [B, Hkv, R, j]
-    in the statistics dtype (each query head of a group against its key head)."""
+    in the statistics dtype (each query head of a group against its key head). Elementwise: a batched matmul of
+    [G, Hd] x [Hd, j] blocks runs many times slower on CPU."""
     st = stat_dtype(rows.dtype)
     rows = rows.unflatten(2, (-1, stop - start)).to(st)  # [B, Hkv, G, C, Hd]
-    own = torch.stack([o[:, :, start:stop] for o in others], -1).to(st)  # [B, Hkv, C, Hd, j]
-    return torch.einsum("bkgcd,bkcdj->bkgcj", rows, own).flatten(2, 3)
+    dots = [(rows * o[:, :, None, start:stop].to(st)).sum(-1) for o in others]  # [B, Hkv, G, C] each
+    return torch.stack(dots, -1).flatten(2, 3)
 
 
 def chain_sum(weights: torch.Tensor, others: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
     """Σ_i weights[..., i] · others[i] at the same positions: weights [B, Hkv, R, j], others [B, Hkv, T, Hd] each
     -> [B, Hkv, R, Hd] in the weights' dtype."""
-    w = weights.unflatten(2, (-1, stop - start))  # [B, Hkv, G, C, j]
-    own = torch.stack([o[:, :, start:stop] for o in others], -1).to(weights.dtype)  # [B, Hkv, C, Hd, j]
-    return torch.einsum("bkgcj,bkcdj->bkgcd", w, own).flatten(2, 3)
+    w = weights.unflatten(2, (-1, stop - start))[..., None]  # [B, Hkv, G, C, j, 1]
+    total = sum(w[..., i, :] * o[:, :, None, start:stop].to(weights.dtype) for i, o in enumerate(others))
+    return total.flatten(2, 3)  # [B, Hkv, R, Hd]
 
 
 def per_key_head(weights: torch.Tensor, rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Σ over a group's query heads of weights [B, Hkv, R] · rows [B, Hkv, R, Hd] -> [B, Hkv, C, Hd] (a chain key's or
     value's gradient at positions start..stop)."""
-    w = weights.unflatten(2, (-1, stop - start))  # [B, Hkv, G, C]
-    return torch.einsum("bkgc,bkgcd->bkcd", w, rows.unflatten(2, (-1, stop - start)).to(weights.dtype))
+    products = weights[..., None] * rows.to(weights.dtype)  # [B, Hkv, R, Hd]
+    return products.unflatten(2, (-1, stop - start)).sum(2)
 
 
 def chunk_scores(q: torch.Tensor, keys: Sequence[torch.Tensor], start: int, stop: int,
