@@ -277,7 +277,7 @@ def load(drafter_path: str | Path | DrafterRequest | None = None, base: str | No
 
 
 load.__signature__ = signature_of(load, TargetOptions, LoadOptions)  # the keywords `**options` takes, for help()
-load.__doc__ += "\n\n" + options_help()
+load.__doc__ = (load.__doc__ or "") + "\n\n" + options_help()  # None under python -OO
 
 
 def serve(drafter: str | Path | DrafterRequest | None, base: str | None, target: TargetOptions,

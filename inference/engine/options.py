@@ -98,11 +98,6 @@ def number(low: float, finite: bool = True) -> Callable[[Any], bool]:
     return ok
 
 
-def within(low: float, high: float) -> Callable[[Any], bool]:
-    """A real number (not a bool) in (low, high]."""
-    return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and low < v <= high
-
-
 def check(values: Any, name: Callable[[str], str] = str, error: type[Exception] = UsageError) -> None:
     """Refuse the first field of the dataclass instance `values` that is set (not None) and not valid, in one line:
     "<name> must be <must>, got <value>" (`name`: a field's name as the caller spells it, e.g. `Naming.arg`)."""
@@ -148,13 +143,6 @@ def from_args(group: type, args: argparse.Namespace, **given: Any) -> Any:
     the rest keep their defaults."""
     values = {f.name: getattr(args, f.name) for f, opt in options_of(group) if opt.cli and hasattr(args, f.name)}
     return group(**{**values, **given})
-
-
-def set_flags(group: type, args: argparse.Namespace) -> list[str]:
-    """The flags of `group` a parsed command line sets (to other than their default: for commands that refuse
-    them)."""
-    return [flag(f.name) for f, opt in options_of(group)
-            if opt.cli and getattr(args, f.name, None) not in (None, cli_default(f, opt))]
 
 
 # -- the Python API -------------------------------------------------------------------------------------------------
