@@ -8,7 +8,7 @@ is "id", so a line starts with RECORD_START).
 Layout in one folder (`RankFiles`): rank r appends its records to `<prefix>rank{r:03d}.jsonl` and the ids it decided
 not to write (a prompt too long, an empty answer) to `<prefix>rank{r:03d}.skipped`, one {"id", "reason"} a line.
 
-    1. `done_ids`: the ids in every rank file and skip file there (of any world size: an earlier run's too) and in
+    1. `claim`: the ids in every rank file and skip file there (of any world size: an earlier run's too) and in
        any `also` file (a merged output); a torn last line of a file nobody appends to in this run is cut first;
     2. `share`: rank r takes items r, r + W, r + 2W, ... of the full ordered list, less the done ones. The split does
        not depend on what is done, so ranks that read the folder at different moments (others already appending)
@@ -17,7 +17,8 @@ not to write (a prompt too long, an empty answer) to `<prefix>rank{r:03d}.skippe
     3. `wait_until_done`: poll the files (only the bytes appended since the last look) until every id of the list is
        done. A rank that finishes early waits here, on the filesystem: no NCCL / gloo collective (30-minute default
        timeout) ever waits on another rank's generation. A crashed rank ends the launch (torchrun stops the others),
-       so the wait needs no timeout of its own; it logs what is left every `log_every` seconds.
+       so the wait needs no timeout of its own; it logs what is left every `log_every` seconds. Every rank must see
+       the same folder: one node always does; several need it on a shared filesystem.
     4. `merge` (collectors with one output file): the output's records, then every rank file's new ones in list
        order, written atomically; the rank files go after it, so a reader never misses an id.
 """
@@ -196,7 +197,8 @@ def wait_until_done(files: RankFiles, ids: Sequence[str], also: Sequence[Path] =
         if not left:
             return
         if time.monotonic() - last_log >= log_every:
-            log.info("%s: waiting for the other ranks: %d of %d items left", files.folder, len(left), len(wanted))
+            log.info("%s: waiting for the other ranks: %d of %d items left (every rank writes here: on several nodes "
+                     "this folder must be on a shared filesystem)", files.folder, len(left), len(wanted))
             last_log = time.monotonic()
         sleep(poll)
 
