@@ -14,10 +14,10 @@
         imported drafts, which carry no acceptance table, are benched on the same tree.
 
 The peers run in their own virtual environments outside the repository (/work/peers/specforge-venv and
-/work/peers/speculators-venv; --specforge-python / --speculators-python). CPU settings the printed commands carry:
-SpecForge: SPECFORGE_DEVICE=cpu FSDP_SHARDING=NO_SHARD TORCHDYNAMO_DISABLE=1, training.attention_backend=sdpa;
-speculators: --hidden-states-dtype float32 --loss-implementation eager --draft-attn-impl sdpa. Their accelerator
-patches (SpecForge's Triton loss, speculators' device calls) are the peers' own business and are not applied here.
+/work/peers/speculators-venv; --specforge-python / --speculators-python), started through scripts/peer_eagle3_driver.py,
+which applies the CPU patches and prints them. Settings: SpecForge training.attention_backend=sdpa, NO_SHARD, fp32
+draft; speculators --hidden-states-dtype float32 --loss-implementation eager --draft-attn-impl sdpa, AdamW, and its
+norms and sliding window off (`speculators_args`). Both get a batch of 1 sample, like our trainer's command.
 Errors print one line naming the file or option and exit with status 2, before anything is written.
 """
 
@@ -43,6 +43,7 @@ from models.refs import locate  # noqa: E402
 from train import peer_formats as pf  # noqa: E402
 
 PEERS = Path("/work/peers")
+DRIVER = Path(__file__).resolve().parent / "peer_eagle3_driver.py"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,12 +58,11 @@ def parser() -> argparse.ArgumentParser:
     vocab.add_argument("--vocab-from", help="a draftsmith eagle3 checkpoint whose draft vocabulary to reuse")
     c.add_argument("--layers", type=int, nargs=3, help="fused hidden_states indices (default: the cache's three)")
     c.add_argument("--max-samples", type=int, help="only the first N train samples")
-    c.add_argument("--specforge-dtype", choices=sorted(pf.SPECFORGE_DTYPES), default="bf16",
-                   help="storage of SpecForge's states (its TargetHead runs in bf16)")
     c.add_argument("--epochs", type=int, default=1)
     c.add_argument("--lr", type=float, default=2e-3)
     c.add_argument("--ttt-steps", type=int, default=3)
     c.add_argument("--max-length", type=int, default=2048)
+    c.add_argument("--conf-model", default="smollm2", help="conf/model name for our trainer when --model is a folder")
     c.add_argument("--specforge-python", default=str(PEERS / "specforge-venv" / "bin" / "python"))
     c.add_argument("--speculators-python", default=str(PEERS / "speculators-venv" / "bin" / "python"))
     s = sub.add_parser("speculators-import", help="a speculators eagle3 draft -> the LlamaForCausalLMEagle3 layout")
@@ -105,7 +105,7 @@ def convert(args) -> int:
     ids = (pf.checkpoint_vocab(args.vocab_from) if args.vocab_from
            else pf.cache_vocab(cache, args.draft_vocab, manifest.vocab_size))
     sf, sp = out / "specforge", out / "speculators"
-    counts = pf.write_specforge(cache, sf, layers, ids, manifest.vocab_size, args.specforge_dtype, args.max_samples)
+    counts = pf.write_specforge(cache, sf, layers, ids, manifest.vocab_size, args.max_samples)
     pf.write_speculators(cache, sp, layers, ids, manifest.vocab_size, norm, args.max_samples)
     target, key = pf.specforge_target(model_dir, sf / "target")
     draft = foreign_config(Eagle3Config(target=text, layers=layers, draft_vocab_size=len(ids), ttt_steps=args.ttt_steps),
@@ -123,36 +123,51 @@ def convert(args) -> int:
 def commands(args, cache: Path, out: Path, model_dir: Path, layers: tuple[int, ...], size: int) -> list[str]:
     """The commands that train each peer, bring its draft back, and bench all three on the same prompts."""
     sf, sp, q = out / "specforge", out / "speculators", shlex.quote
-    env = "OMP_NUM_THREADS=1 SPECFORGE_DEVICE=cpu FSDP_SHARDING=NO_SHARD TORCHDYNAMO_DISABLE=1"
+    driver = q(str(DRIVER))
+    model = args.model.removeprefix("builtin:") if args.model.startswith("builtin:") else f"{args.conf_model} " \
+        f"model.path={q(str(model_dir))}"
     return [
         "# draftsmith",
-        f"OMP_NUM_THREADS=1 python -m train eagle3 +model={q(args.model.removeprefix('builtin:'))} "
-        f"+experiment=sharegpt_eagle3 data.features={q(str(cache))} method.layers=[{','.join(map(str, layers))}] "
-        f"method.draft_vocab={size} method.ttt_steps={args.ttt_steps} training.num_train_epochs={args.epochs} "
-        f"training.learning_rate={args.lr} training.per_device_train_batch_size=1 output_dir={q(str(out / 'ours'))}",
-        "# SpecForge 0.2.0",
-        f"{env} {q(args.specforge_python)} -m specforge.cli train -c {q(str(sf / 'train.yaml'))}",
-        f"{q(args.specforge_python)} -m specforge.cli export --to sglang --checkpoint <{sf}/output/<last step>> "
-        f"--draft-config {q(str(sf / 'draft.json'))} --output-dir {q(str(sf / 'export'))} "
-        f"--vocab-mapping {q(str(sf / 'vocab_mapping.pt'))}",
+        f"OMP_NUM_THREADS=1 python -m train eagle3 +model={model} +experiment=sharegpt_eagle3 "
+        f"data.features={q(str(cache))} method.layers=[{','.join(map(str, layers))}] method.draft_vocab={size} "
+        f"method.ttt_steps={args.ttt_steps} training.num_train_epochs={args.epochs} training.learning_rate={args.lr} "
+        f"training.per_device_train_batch_size=1 output_dir={q(str(out / 'ours'))}",
+        "# SpecForge 0.2.0 (patches: scripts/peer_eagle3_driver.py)",
+        f"OMP_NUM_THREADS=1 {q(args.specforge_python)} {driver} specforge -- train -c {q(str(sf / 'train.yaml'))}",
+        f"{q(args.specforge_python)} {driver} specforge -- export --to sglang --checkpoint "
+        f"{q(str(sf / 'output'))}/specforge-run-step<last> --draft-config {q(str(sf / 'draft.json'))} "
+        f"--output-dir {q(str(sf / 'export'))} --vocab-mapping {q(str(sf / 'vocab_mapping.pt'))}",
         f"python -m models.convert eagle3-import {q(str(sf / 'export'))} {q(str(out / 'specforge-draft'))} "
         f"--base {q(str(model_dir))}",
-        "# speculators 0.9.0",
-        f"{q(args.speculators_python)} -c 'import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r});"
-        f" from train.peer_formats import speculators_dataset; speculators_dataset({str(sp)!r})'",
-        f"OMP_NUM_THREADS=1 {q(args.speculators_python)} -m speculators.train --verifier-name-or-path "
-        f"{q(str(model_dir))} --data-path {q(str(sp / 'data'))} --d2t-path {q(str(sp / 'd2t.npy'))} --t2d-path "
-        f"{q(str(sp / 't2d.npy'))} --draft-vocab-size {size} --target-layer-ids {' '.join(map(str, layers))} "
-        f"--epochs {args.epochs} --lr {args.lr} --ttt-steps {args.ttt_steps} --total-seq-len {args.max_length} "
-        f"--hidden-states-dtype float32 --loss-implementation eager --draft-attn-impl sdpa --num-workers 0 "
-        f"--on-missing raise --save-path {q(str(sp / 'output'))}",
-        f"python scripts/peer_eagle3.py speculators-import <{sp}/output/<last epoch>> {q(str(sp / 'export'))}",
+        "# speculators 0.9.0 (patches: scripts/peer_eagle3_driver.py)",
+        f"{q(args.speculators_python)} {driver} speculators-dataset {q(str(sp))}",
+        f"OMP_NUM_THREADS=1 {q(args.speculators_python)} {driver} speculators -- "
+        + " ".join(speculators_args(args, model_dir, sp, layers, size)),
+        f"python scripts/peer_eagle3.py speculators-import {q(str(sp / 'output'))}/<last epoch> "
+        f"{q(str(sp / 'export'))}",
         f"python -m models.convert eagle3-import {q(str(sp / 'export'))} {q(str(out / 'speculators-draft'))} "
         f"--base {q(str(model_dir))}",
-        "# the engine: the same prompts, chain 3 and one tree (our draft's default 16-node tree) for all three",
+        "# the engine: the same prompts, chain 3 and one tree (our draft's default tree) for all three",
         f"python scripts/peer_eagle3.py tree {q(str(out / 'ours'))} {q(str(out / 'tree.json'))}",
-        f"python scripts/bench_suite.py conf/bench/smollm2-eagle3-peers.yaml --out {q(str(out / 'bench'))}",
+        "python scripts/bench_suite.py conf/bench/smollm2-eagle3-peers.yaml --out outputs/bench/smollm2-eagle3-peers",
     ]
+
+
+def speculators_args(args, model_dir: Path, sp: Path, layers: tuple[int, ...], size: int) -> list[str]:
+    """speculators.train's flags for the classic EAGLE-3 layer our engine serves (its 0.9.0 defaults add norms before
+    fc, before the residual and on the fed-back state, and a sliding window; the layout has none) and the same
+    AdamW, epochs, TTT steps and sequence length as the other two. --mask-token-id: the EAGLE-3 draft reads none, but
+    the CLI resolves one from the target's tokenizer unless given."""
+    q = shlex.quote
+    return ["--verifier-name-or-path", q(str(model_dir)), "--data-path", q(str(sp / "data")),
+            "--d2t-path", q(str(sp / "d2t.npy")), "--t2d-path", q(str(sp / "t2d.npy")),
+            "--draft-vocab-size", str(size), "--target-layer-ids", *map(str, layers),
+            "--epochs", str(args.epochs), "--lr", str(args.lr), "--optimizer", "adamw",
+            "--ttt-steps", str(args.ttt_steps), "--total-seq-len", str(args.max_length),
+            "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output", "--full-attention-indices", "0",
+            "--mask-token-id", "0", "--hidden-states-dtype", "float32", "--loss-implementation", "eager",
+            "--draft-attn-impl", "sdpa", "--num-workers", "0", "--on-missing", "raise",
+            "--save-path", q(str(sp / "output"))]
 
 
 def main(argv: list[str] | None = None) -> int:

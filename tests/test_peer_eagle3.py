@@ -7,6 +7,9 @@ eagle3-import reads, equal tensor for tensor to our own export."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +22,9 @@ from transformers import LlamaConfig
 from data.datasets import label_counts
 from data.features import FeatureDataset, Manifest, shard_name, write_shard
 from models.checkpoint import most_frequent
-from models.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3
-from models.eagle3_interop import export_eagle3
-from tests.script_support import exit_code, load_script
+from models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3, save_eagle3
+from models.eagle3_interop import export_eagle3, import_eagle3
+from tests.script_support import ROOT, exit_code, load_script
 from train import peer_formats as pf
 
 D, V, N_LAYERS, S = 16, 40, 6, 12
@@ -103,7 +106,7 @@ def speculators_read(out: Path, index: int) -> dict[str, torch.Tensor]:
 
 def test_specforge_files_hold_what_its_reader_takes(cache: Path, tmp_path: Path) -> None:
     ids = pf.cache_vocab(cache, S, V)
-    counts = pf.write_specforge(cache, tmp_path / "sf", tuple(LAYERS), ids, V, dtype="fp32")
+    counts = pf.write_specforge(cache, tmp_path / "sf", tuple(LAYERS), ids, V)
     files = sorted((tmp_path / "sf" / "data").glob("*.ckpt"))  # list_feature_files: sorted, one per sample
     assert counts == {"samples": 3, "tokens": sum(LENGTHS), "trained_tokens": int(sum(
         (s["labels"] != -100).sum() for s in cached(cache)))}
@@ -114,18 +117,12 @@ def test_specforge_files_hold_what_its_reader_takes(cache: Path, tmp_path: Path)
         assert raw["hidden_state"].shape == (1, t, D) and raw["aux_hidden_state"].shape == (1, t, 3 * D)
         read = specforge_read(path)
         assert torch.equal(read["input_ids"][0], item["input_ids"])
-        assert torch.equal(read["target"][0], item["hidden"])  # after the final norm: its TargetHead is lm_head only
+        # after the final norm (its TargetHead is lm_head only), in the TargetHead's bf16
+        assert read["target"].dtype == torch.bfloat16 and torch.equal(read["target"][0], item["hidden"].bfloat16())
         assert torch.equal(read["hidden_state"][0], torch.cat([item[f"layer_{i}"] for i in LAYERS], -1))  # low..high
         mask = (item["labels"] != -100).long()
         assert torch.equal(raw["loss_mask"], mask)  # token t trained, as in SpecForge's own preprocessing
         assert torch.equal(read["loss_mask"][0, :-1], mask[:-1]) and read["loss_mask"][0, -1] == 0
-
-
-def test_specforge_bf16_storage(cache: Path, tmp_path: Path) -> None:
-    pf.write_specforge(cache, tmp_path / "sf", tuple(LAYERS), pf.cache_vocab(cache, S, V), V, dtype="bf16")
-    raw = torch.load(sorted((tmp_path / "sf" / "data").glob("*.ckpt"))[0], weights_only=False)
-    assert raw["hidden_state"].dtype == raw["aux_hidden_state"].dtype == torch.bfloat16
-    assert torch.equal(raw["hidden_state"][0], cached(cache)[0]["hidden"].bfloat16())
 
 
 def test_speculators_files_put_the_last_state_before_the_final_norm(cache: Path, tmp_path: Path,
@@ -228,9 +225,11 @@ def test_speculators_draft_comes_back_as_our_export(tmp_path: Path) -> None:
     assert all(torch.equal(returned[k], exported[k]) for k in exported)
     got = json.loads((back / "config.json").read_text())
     assert got == {k: v for k, v in config.items() if k != "draftsmith"}
-    (spec / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "fc_norm": True}))
-    with pytest.raises(pf.PeerFormatError, match="no slot"):
-        pf.speculators_to_eagle3(spec, tmp_path / "refused")
+    for bad in ({"norm_output": True}, {"norm_before_fc": True}, {"transformer_layer_config": {
+            **layer, "layer_types": ["sliding_attention"]}}):
+        (spec / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", **bad}))
+        with pytest.raises(pf.PeerFormatError, match="no such norm|sliding-window"):
+            pf.speculators_to_eagle3(spec, tmp_path / "refused")
 
 
 # -- the script -------------------------------------------------------------------------------------------------------
@@ -250,8 +249,8 @@ def test_convert_writes_both_and_prints_the_commands(cache: Path, tmp_path: Path
     assert run["model"]["lm_head_key"] == "model.embed_tokens.weight"
     draft = json.loads((out / "specforge" / "draft.json").read_text())
     assert draft["draft_vocab_size"] == S and draft["num_hidden_layers"] == 1 and "draftsmith" not in draft
-    assert "--target-layer-ids 2 3 4" in printed and "specforge.cli train" in printed
-    assert "models.convert eagle3-import" in printed
+    assert "--target-layer-ids 2 3 4" in printed and "specforge -- train -c" in printed
+    assert "--no-norm-before-fc" in printed and printed.count("models.convert eagle3-import") == 2
 
 
 def test_convert_refuses_bad_input_in_one_line(cache: Path, tmp_path: Path, gain: torch.Tensor,
@@ -264,3 +263,52 @@ def test_convert_refuses_bad_input_in_one_line(cache: Path, tmp_path: Path, gain
     errors = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(errors) == 2 and "not a feature cache" in errors[0] and "--draft-vocab 41" in errors[1]
     assert not (tmp_path / "o").exists()
+
+
+# -- the peers themselves (DRAFTSMITH_PEERS=<folder with specforge-venv/ and speculators-venv/>) --------------------------
+
+PEERS = os.environ.get("DRAFTSMITH_PEERS")
+
+
+def run(argv: list[str], **env: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                                **env}, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not PEERS or not Path(PEERS, "specforge-venv").is_dir() or not Path(PEERS, "speculators-venv")
+                    .is_dir(), reason="DRAFTSMITH_PEERS=<folder> names no specforge-venv / speculators-venv")
+def test_both_peers_train_on_the_converted_cache_and_import(tmp_path: Path) -> None:
+    """The printed pipeline on a tiny random target: each peer trains an epoch of 3 samples on CPU, exports, and
+    our eagle3-import loads the result with the one draft vocabulary."""
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_hidden_layers=N_LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=EPS, tie_word_embeddings=True,
+                         max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
+    gain = load_file(str(tmp_path / "target" / "model.safetensors"))["model.norm.weight"]
+    cache, out = make_cache(tmp_path, gain), tmp_path / "peers"
+    sf_python, sp_python = (str(Path(PEERS, f"{n}-venv", "bin", "python")) for n in ("specforge", "speculators"))
+    args = ["--ttt-steps", "2", "--max-length", "64", "--specforge-python", sf_python, "--speculators-python", sp_python]
+    run([sys.executable, "scripts/peer_eagle3.py", "convert", "--cache", str(cache), "--model",
+         str(tmp_path / "target"), "--out", str(out), "--draft-vocab", str(S), *args])
+    driver = str(ROOT / "scripts" / "peer_eagle3_driver.py")
+    sf, sp = out / "specforge", out / "speculators"
+    run([sf_python, driver, "specforge", "--", "train", "-c", str(sf / "train.yaml")])
+    step = sorted((sf / "output").glob("specforge-run-step*"))[-1]
+    run([sf_python, driver, "specforge", "--", "export", "--to", "sglang", "--checkpoint", str(step), "--draft-config",
+         str(sf / "draft.json"), "--output-dir", str(sf / "export"), "--vocab-mapping", str(sf / "vocab_mapping.pt")])
+    run([sp_python, driver, "speculators-dataset", str(sp)])
+    script = load_script("peer_eagle3")
+    parsed = script.parser().parse_args(["convert", "--cache", str(cache), "--model", "m", "--out", str(out),
+                                         "--draft-vocab", str(S), *args])
+    run([sp_python, driver, "speculators", "--",
+         *script.speculators_args(parsed, tmp_path / "target", sp, tuple(LAYERS), S)])
+    assert pf.speculators_to_eagle3(sp / "output" / "0", sp / "export").is_dir()
+    d2t = torch.from_numpy(np.load(sp / "d2t.npy"))
+    for name in ("specforge", "speculators"):
+        imported = import_eagle3(out / name / "export", out / f"{name}-draft", str(tmp_path / "target"))
+        draft = load_eagle3(imported)
+        assert torch.equal(draft.d2t, d2t) and draft.config.layers == tuple(LAYERS)

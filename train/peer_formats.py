@@ -51,7 +51,9 @@ from models.eagle3 import check_maps
 from models.eagle3_interop import ARCHITECTURE, sglang_layer_ids
 
 FUSED = 3  # EAGLE-3 fuses three target layers; both peers assert it
-SPECFORGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# SpecForge's storage: hidden_state in its TargetHead's dtype (bf16, hard-coded in TargetHead.from_pretrained: an
+# fp32 state would not multiply its lm_head), aux_hidden_state in the draft's (model.torch_dtype float32 on a CPU)
+SPECFORGE_HIDDEN_DTYPE, SPECFORGE_AUX_DTYPE = torch.bfloat16, torch.float32
 
 
 class PeerFormatError(UsageError):
@@ -163,16 +165,15 @@ def final_norm(model_dir: str | os.PathLike) -> FinalNorm:
 # -- writers ------------------------------------------------------------------------------------------------------------
 
 def write_specforge(cache: str | os.PathLike, out: str | os.PathLike, layers: tuple[int, ...], ids: torch.Tensor,
-                    vocab_size: int, dtype: str = "bf16", limit: int | None = None) -> dict[str, Any]:
+                    vocab_size: int, limit: int | None = None) -> dict[str, Any]:
     """SpecForge's offline files in out/data/<i>.ckpt and out/vocab_mapping.pt; returns counts."""
     out = Path(out)
     (out / "data").mkdir(parents=True, exist_ok=True)
-    store = SPECFORGE_DTYPES[dtype]
     n = tokens = trained = 0
     for n, s in enumerate(samples(cache, layers, limit), start=1):
         torch.save({"input_ids": s.input_ids.long(), "loss_mask": s.loss_mask.long(),
-                    "hidden_state": s.hidden.to(store).unsqueeze(0),  # [1, T, D]
-                    "aux_hidden_state": torch.cat(list(s.layers), -1).to(store).unsqueeze(0)},  # [1, T, 3D]
+                    "hidden_state": s.hidden.to(SPECFORGE_HIDDEN_DTYPE).unsqueeze(0),  # [1, T, D]
+                    "aux_hidden_state": torch.cat(list(s.layers), -1).to(SPECFORGE_AUX_DTYPE).unsqueeze(0)},  # [1, T, 3D]
                    out / "data" / f"sample_{n - 1:07d}.ckpt")
         tokens += len(s.input_ids)
         trained += int(s.loss_mask.sum())
@@ -249,15 +250,21 @@ def speculators_to_eagle3(src: str | os.PathLike, dst: str | os.PathLike) -> Pat
     """speculators' saved draft (config.json with speculators_model_type eagle3 + model.safetensors, one layer under
     layers.0.*) -> the folder vLLM / SGLang / SpecForge load (midlayer.*; config.json a one-layer Llama config
     naming ARCHITECTURE), which `python -m models.convert eagle3-import dst OUT --base TARGET` reads. A draft with
-    norms that layout has no slot for (fc_norm, input_norm, norm_before_fc) is refused in one line."""
+    norms or a window that layout has no slot for (speculators 0.9.0's defaults: norm_before_fc, norm_before_residual,
+    norm_output, a 2048-token sliding window) is refused in one line."""
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     if config.get("speculators_model_type") != "eagle3":
         raise PeerFormatError(f"{src}/config.json: speculators_model_type {config.get('speculators_model_type')!r}, "
                               f"expected 'eagle3'")
-    if config.get("norm_before_fc") or config.get("fc_norm") or config.get("norm_before_residual"):
-        raise PeerFormatError(f"{src}/config.json: norm_before_fc / fc_norm / norm_before_residual set; the "
-                              f"{ARCHITECTURE} layout has no slot for those norms (train with their defaults off)")
+    norms = [k for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output") if config.get(k)]
+    if norms:
+        raise PeerFormatError(f"{src}/config.json: {', '.join(norms)} set; the {ARCHITECTURE} layout (and our "
+                              f"engine) has no such norm: train with --no-norm-before-residual --no-norm-before-fc "
+                              f"--no-norm-output")
+    if "sliding_attention" in config.get("transformer_layer_config", {}).get("layer_types", []):
+        raise PeerFormatError(f"{src}/config.json: a sliding-window draft layer; the {ARCHITECTURE} layout has full "
+                              f"attention: train with --full-attention-indices 0")
     state = load_file(str(src / "model.safetensors"))
     extra = [k for k in state if k.startswith(("fc_norm.", "input_norm.", "layers.1."))]
     if extra:
