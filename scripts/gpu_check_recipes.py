@@ -7,13 +7,15 @@
 
 The target is a random Llama of the recipe shape's sizes (`RECIPE_SHAPES`: Llama-3.1-8B's on a GPU, a 1.7B Llama on
 a CPU, a tiny one with --small), saved with a byte-level BPE tokenizer trained on a slice of the built-in corpus
-(train.tiny_build, offline). `+model=tiny` supplies the built-in model's chat defaults; model.path points at the
-saved target, so nothing is built or downloaded; data=default is the bundled corpus, whose prompts the target answers
-itself (self-distillation) before training. Each command runs under gpu_check_peak.py, which records the child's
-peak memory (torch.cuda.max_memory_allocated on a GPU; peak resident set on a CPU, the interpreter and libraries
-included). Per command: wall time, the trainer's tokens/s, the peak, and train/memory_model.py's prediction at the
-recipe's batch for rows of the mean length the trainer saw (its tokens / steps / batch), and at data.max_length (the
-bound: no row is longer). The model counts every token as trained; self-distilled rows train the answer only.
+(train.tiny_build, offline); the lm_head rows of ids past the tokenizer's are zero, so the target's greedy answers
+are text the tokenizer can decode (the shapes, and so memory and time, are the real model's). `+model=tiny` supplies
+the built-in model's chat defaults; model.path points at the saved target, so nothing is built or downloaded;
+data=default is the bundled corpus, whose prompts the target answers itself (self-distillation) before training.
+Each command runs under gpu_check_peak.py, which records the child's peak memory (torch.cuda.max_memory_allocated on
+a GPU; peak resident set on a CPU, the interpreter and libraries included). Per command: wall time, the trainer's
+tokens/s, the peak, and train/memory_model.py's prediction at the recipe's batch for rows of the mean length the
+trainer saw (its tokens / steps / batch), and at data.max_length (the bound: no row is longer). The model counts
+every token as trained; self-distilled rows train the answer only.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def save_target(shape: RecipeShape, folder: Path, device: torch.device, seed: in
     torch.manual_seed(seed)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # ids past the tokenizer's score 0: greedy answers (self-distillation's) decode to text
+        model.get_output_embeddings().weight[len(tokenizer):].zero_()
     target = folder / "target"
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
