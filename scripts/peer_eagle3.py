@@ -126,7 +126,11 @@ def commands(args, cache: Path, out: Path, model_dir: Path, layers: tuple[int, .
     driver = q(str(DRIVER))
     model = args.model.removeprefix("builtin:") if args.model.startswith("builtin:") else f"{args.conf_model} " \
         f"model.path={q(str(model_dir))}"
+    partial = [f"# --max-samples {args.max_samples}: the peers get the first {args.max_samples} train samples, this "
+               f"command the whole cache; for one comparison make the cache that small instead "
+               f"(python -m train features ... data.max_samples=N)"] if args.max_samples else []
     return [
+        *partial,
         "# draftsmith",
         f"OMP_NUM_THREADS=1 python -m train eagle3 +model={model} +experiment=sharegpt_eagle3 "
         f"data.features={q(str(cache))} method.layers=[{','.join(map(str, layers))}] method.draft_vocab={size} "
