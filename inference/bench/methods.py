@@ -14,9 +14,10 @@ runners count the target's forward calls with a forward hook, so τ is measured 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -35,10 +36,18 @@ GREEDY_ONLY = ("hf_pld", "hf_assisted")
 
 @dataclass(frozen=True)
 class Sampling:
+    """A method's sampling parameters under the engine's names (declared in inference.engine.loop.SAMPLING_GROUPS:
+    their flags, defaults and checks); max_new_tokens is a run's, given per call."""
+
     temperature: float
     top_k: int
     top_p: float
     acceptance: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Sampling:
+        """The sampling flags of a parsed `bench` command line."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     with_drafter = not args.baseline_only and (session.drafter_name != "none")
     names = (["drafter"] if with_drafter else []) + baselines
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.acceptance)
+    sampling = Sampling.of(args)
     hf = hf_options(session, args, names)
     runners = build_runners(session, names, sampling, hf)
     model, device = session.engine.model, session.engine.device

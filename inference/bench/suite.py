@@ -234,7 +234,7 @@ def load_all(plan: Plan, base_args: argparse.Namespace, method_args: dict[str, a
     print(f"loading the baselines' target ({base_args.base})", file=sys.stderr, flush=True)
     base = open_session(base_args)
     loaded = Loaded(base, base_args)
-    sampling = sampling_of(base_args)
+    sampling = Sampling.of(base_args)
     for label, runner in build_runners(base, plan.baselines, sampling,
                                        hf_options(base, base_args, plan.baselines)).items():
         loaded.entries.append(Entry(label, runner, base))
@@ -242,16 +242,12 @@ def load_all(plan: Plan, base_args: argparse.Namespace, method_args: dict[str, a
         print(f"loading {m.name} ({method_args[m.name].drafter})", file=sys.stderr, flush=True)
         session = open_session(method_args[m.name], share=base)  # the baselines' target, when it is the same
         loaded.sessions[m.name], loaded.method_args[m.name] = session, method_args[m.name]
-        loaded.entries.append(Entry(m.name, EngineRunner(session.engine, sampling_of(method_args[m.name])), session,
+        loaded.entries.append(Entry(m.name, EngineRunner(session.engine, Sampling.of(method_args[m.name])), session,
                                     m.categories))
         if m.own_ar:
             loaded.entries.append(Entry(f"{m.name}.ar", EngineRunner(Engine(session.engine.model, NoDrafter()),
                                                                       sampling), session, m.categories))
     return loaded
-
-
-def sampling_of(args: argparse.Namespace) -> Sampling:
-    return Sampling(args.temperature, args.top_k, args.top_p, args.acceptance)
 
 
 def run_questions(loaded: Loaded, questions: list[Question], args: argparse.Namespace
