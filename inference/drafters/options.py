@@ -24,6 +24,7 @@ MAX_LOOKUP = 64  # the longest prompt-lookup chain `lookup` grafts onto a tree
 MAX_BUDGET = 256  # the most nodes `lookup_budget` keeps of the pooled tree (the dynamic tree's limit too)
 TREE_DRAFTERS = ("eagle3", "medusa")  # drafters whose trees `lookup` grafts a chain onto
 DATASTORE_DRAFTERS = (*TREE_DRAFTERS, "prompt_lookup")  # drafters that draft from a datastore
+STORE = ("datastore", "datastore_grow")  # the options that make a datastore (a source, or one grown while serving)
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,13 @@ class LoadOptions:
              "about the latest N tokens of them, so later requests draft from earlier answers (SuffixDecoding's "
              "global tree; each generation stays exact)")
     datastore_smoothing: str | None = option(
-        drafters=DATASTORE_DRAFTERS, metavar="|".join(SMOOTHINGS), valid=lambda v: v in SMOOTHINGS,
+        drafters=DATASTORE_DRAFTERS, needs=STORE, metavar="|".join(SMOOTHINGS), valid=lambda v: v in SMOOTHINGS,
         must=f"one of {', '.join(SMOOTHINGS)}",
         help="with --datastore or --datastore-grow: the next token's distribution, interpolated over the matched "
              "suffixes' lengths (witten_bell, the default) or the longest match's counts alone (REST, "
              "SuffixDecoding)")
     datastore_request_weight: float | None = option(
-        drafters=DATASTORE_DRAFTERS, type=float, metavar="W", valid=number(0),
+        drafters=DATASTORE_DRAFTERS, needs=STORE, type=float, metavar="W", valid=number(0),
         must="a number >= 0 (how many times the request's own text counts)",
         help="with --datastore or --datastore-grow: how many times the request's own prompt and answer so far "
              f"count beside the datastore's corpus (default {REQUEST_WEIGHT:g}; 0: the corpus alone)")
@@ -100,7 +101,8 @@ class LoadOptions:
 
 
 OPTIONAL = tuple(f.name for f, opt in options_of(LoadOptions) if opt.drafters is not None)  # a type may not take
-DATASTORE_SETTINGS = ("datastore_smoothing", "datastore_request_weight")  # shape a datastore; need one
+# the settings that shape a datastore `with_datastore` makes: they need one, and a Datastore object has its own
+DATASTORE_SETTINGS = tuple(f.name for f, opt in options_of(LoadOptions) if opt.needs == STORE)
 
 
 def takes(drafter_type: str) -> frozenset[str]:

@@ -41,6 +41,7 @@ class Option:
     cli: bool = True  # also a command-line flag (False: the Python API only)
     cli_default: Any = AS_FIELD  # the command line's default when it differs from the field's
     drafters: frozenset[str] | None = None  # the drafter types that take it; None: every one (or not a drafter's)
+    needs: tuple[str, ...] = ()  # it applies only with one of these options set (the group's check says why)
 
 
 def option(default: Any = None, *, drafters: tuple[str, ...] | None = None, **meta: Any) -> Any:
