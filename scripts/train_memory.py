@@ -44,7 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq", default=str(FIT_SEQ), help="tokens per row (comma list)")
     p.add_argument("--ttt-steps", default="5", help="K: Medusa heads / EAGLE-3 TTT steps (comma list)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="the target's weights (model.dtype)")
-    p.add_argument("--no-autocast", action="store_true", help="training.bf16=false (fp32 activations in trained modules)")
+    p.add_argument("--no-autocast", action="store_true",
+                   help="training.bf16=false (fp32 activations in the trained modules)")
     p.add_argument("--features", default="online", choices=("online", "cache"), help="eagle3: data.features or not")
     p.add_argument("--teacher", default="topk", choices=("topk", "full", "none"), help="eagle3: method.teacher "
                    "(none: method.soft_labels=0)")

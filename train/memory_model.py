@@ -98,9 +98,12 @@ SHAPES = {
     "mistral7b": Shape("mistral7b", 4096, 32, 32, 8, 14336, 32000),
     "vicuna13b": Shape("vicuna13b", 5120, 40, 40, 40, 13824, 32000),
     "vicuna33b": Shape("vicuna33b", 6656, 60, 52, 52, 17920, 32000),
+    "qwen3_8b": Shape("qwen3_8b", 4096, 36, 32, 8, 12288, 151936),  # its per-head q / k norms (256 a layer) left out
+    "smollm2": Shape("smollm2", 576, 30, 9, 3, 1536, 49152, tied=True),  # SmolLM2-135M
+    "tiny": Shape("tiny", 256, 4, 4, 4, 768, 4096, tied=True),  # train/tiny_build.py SPECS["tiny"]
 }
-ALIASES = {"llama2_7b_chat": "vicuna7b", "llama3_8b_instruct": "llama3_1_8b", "qwen2_5_7b_instruct": "qwen2_5_7b",
-           "mistral7b_instruct": "mistral7b", "zephyr7b": "mistral7b"}
+ALIASES = {"llama2_7b_chat": "vicuna7b", "llama3_8b_instruct": "llama3_1_8b", "llama3_1_8b_instruct": "llama3_1_8b",
+           "qwen2_5_7b_instruct": "qwen2_5_7b", "mistral7b_instruct": "mistral7b", "zephyr7b": "mistral7b"}
 FIT_TARGETS = ("llama3_1_8b", "qwen2_5_7b", "vicuna7b")
 
 
