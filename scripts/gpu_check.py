@@ -1,11 +1,13 @@
 """The GPU check (issue #19): one command, one JSON + a short text report in --out.
 
-    python scripts/gpu_check.py --out gpu_check                       # the run: one CUDA GPU, <= 8 minutes on an H200
+    python scripts/gpu_check.py --out gpu_check                       # the run: one CUDA GPU (scripts/gpu_check.md)
+    python scripts/gpu_check.py --out gpu_check --sections recipes    # the real trainers on Llama-3.1-8B's shapes
     python scripts/gpu_check.py --out gpu_check --tiny outputs/gpu_bundle            # ... plus section `tiny`
     python scripts/gpu_check.py --out /tmp/dry --device cpu --small   # the CPU dry run (tests/test_gpu_check.py)
     python scripts/gpu_check.py --pack-tiny outputs/gpu_bundle --tiny-drafter outputs/medusa1/tiny  # before travel
 
-Sections, on a random Llama of Llama-2-7B's shapes (random weights: the shapes decide memory and time):
+Sections, on a random Llama of Llama-2-7B's shapes (random weights: the shapes decide memory and time; recipes: its
+own shapes):
     train   a medusa1 step (5 heads, conf/method/medusa1.yaml) with a bf16 backbone: tokens/s against the frozen
             forward alone, with fp32 heads (the default) and with bf16 autocast (training.bf16=true), next to the
             README's bound B / (B + 3H); peak GPU memory of a step (3 heads sharing the lm_head, the README's memory
