@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from data.datasets import SplitDatasets
 from inference.collect.jacobi_trajectories import main as collect_main, placement
-from inference.collect.self_distill import DistillStats, sharegpt_record, _Row
+from inference.collect.self_distill import DistillStats
 from inference.collect.shared import IdScan, RankFiles, World, claim, done_ids, merge, share, wait_until_done
 from tests.model_support import save_tiny_model
 
@@ -170,8 +170,8 @@ def test_the_trainer_answers_on_its_training_device(model_dir, chats, tmp_path, 
         seen.append(({p.device.type for p in engine.model.parameters()}, engine.model.training))
         with open(output, "a") as f:  # an answer per conversation, as the engine would write it
             for i, conversation in conversations:
-                messages = [conversation[0], {"role": "assistant", "content": "ok"}]
-                f.write(json.dumps(sharegpt_record(_Row(i, [], messages, ["stop"]))) + "\n")
+                turns = [{"from": "human", "value": conversation[0]["content"]}, {"from": "gpt", "value": "ok"}]
+                f.write(json.dumps({"id": i, "conversations": turns, "finish": ["stop"]}) + "\n")
         return DistillStats(written=len(conversations), already_done=0, too_long=0, empty=0, truncated_turns=0)
 
     monkeypatch.setattr(self_distill_module, "self_distill", generator)
