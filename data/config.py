@@ -49,7 +49,7 @@ class DataConfig:
     max_tokens: Optional[int] = None  # train split token budget: a seeded sample of conversations up to it
     # Self-distillation (Medusa paper, sec. 3.3): before training, replace the assistant turns of the train split
     # with the target's own answers (self_distill_turns of each conversation), generated through the engine and
-    # cached resumably in <output_dir>/self_distill.jsonl. Heads then learn what the target will actually say.
+    # cached resumably in <output_dir>/self_distill/ (a file per rank). Heads then learn what the target will actually say.
     self_distill: bool = False
     self_distill_samples: Optional[int] = 1200  # conversations to answer (seeded shuffle of the train split); None: all
     self_distill_new_tokens: int = 128

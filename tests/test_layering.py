@@ -11,7 +11,7 @@ Every project module's imports are read with `ast` (none is executed). The rule,
   imports its own group or a lower-ranked one; collect and bench share a rank and do not import each other.
 * Module-level imports form no cycle (function-local imports do not dodge this: they are in the graph too, below).
 * A module's `if __name__ == "__main__":` block is a command line: it runs only when the module is the program, so
-  it counts as a tool (`python -m data.jacobi` hands over to the collector in inference/ that way).
+  it counts as a tool (`scripts/collect_jacobi.py` runs the collector in inference/ that way).
 * A function-local import of a project module is allowed only when it defers something heavy or optional on purpose,
   and says so on its line: `# deferred: <reason>`. Imports under `if TYPE_CHECKING:` are typing only and exempt
   from that rule, not from the next one.

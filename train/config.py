@@ -156,7 +156,7 @@ class CllmConfig(BackboneTrainingConfig):
     """CLLM (train/cllm.py): L = consistency_weight·L_consistency + ar_weight·L_AR on Jacobi trajectories."""
 
     name: str = "cllm"
-    trajectories: Optional[str] = None  # JSONL from `python -m data.jacobi` (required)
+    trajectories: Optional[str] = None  # JSONL from `scripts/collect_jacobi.py` (required)
     block_size: Optional[int] = None  # null: the trajectories' own N; set: must match them (16 or 32 in the paper)
     init: JacobiInit = JacobiInit.random  # Jacobi initialisation the engine uses with this checkpoint
     consistency: Consistency = Consistency("global")  # global: any state -> fixed point | local: each state -> the next one
