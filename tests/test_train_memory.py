@@ -46,8 +46,9 @@ def test_medusa_trained_params_equal_the_heads(share):
     assert medusa1(shape, setup).trained_params == count(heads)
 
 
-def test_eagle3_draft_params_equal_the_draft():
-    config = LlamaConfig(**SIZES)
+@pytest.mark.parametrize("config", [LlamaConfig(**SIZES), Qwen2Config(**SIZES)], ids=["llama", "qwen2"])
+def test_eagle3_draft_params_equal_the_draft(config):
+    """The draft layer is Llama's for every family: a Qwen2 target's q / k / v biases do not carry over."""
     draft = Eagle3Draft(Eagle3Config(target=config.to_dict(), layers=(1, 2, 3), draft_vocab_size=200))
     assert eagle3_draft_params(Shape.from_config(config.to_dict(), "t"), 200) == count(draft)
 

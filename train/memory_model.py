@@ -249,10 +249,10 @@ def medusa1(shape: Shape, s: TrainSetup) -> Breakdown:
 
 
 def eagle3_draft_params(shape: Shape, draft_vocab: int, fused_layers: int = 3) -> int:
-    """fc [D, F·D], one decoder layer with 2D-wide q / k / v inputs, four norms, lm_head [S, D] (models/eagle3.py)."""
+    """fc [D, F·D], one Llama decoder layer (no bias, for every target family) with 2D-wide q / k / v inputs, four
+    norms, lm_head [S, D] (models/eagle3.py)."""
     d, kv = shape.hidden, shape.kv_width
-    bias = d + 2 * kv if shape.qkv_bias else 0
-    attention = 2 * d * d + 2 * (2 * d * kv) + bias + d * d
+    attention = 2 * d * d + 2 * (2 * d * kv) + d * d
     return fused_layers * d * d + attention + 3 * d * shape.intermediate + 4 * d + draft_vocab * d
 
 
