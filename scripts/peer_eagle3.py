@@ -106,7 +106,7 @@ def convert(args) -> int:
            else pf.cache_vocab(cache, args.draft_vocab, manifest.vocab_size))
     sf, sp = out / "specforge", out / "speculators"
     counts = pf.write_specforge(cache, sf, layers, ids, manifest.vocab_size, args.max_samples)
-    pf.write_speculators(cache, sp, layers, ids, manifest.vocab_size, norm, args.max_samples)
+    ratio = pf.write_speculators(cache, sp, layers, ids, manifest.vocab_size, norm, args.max_samples)["train_data_ratio"]
     target, key = pf.specforge_target(model_dir, sf / "target")
     draft = foreign_config(Eagle3Config(target=text, layers=layers, draft_vocab_size=len(ids), ttt_steps=args.ttt_steps),
                            torch.float32, {}, str(model_dir / "config.json"))
@@ -115,12 +115,13 @@ def convert(args) -> int:
     (sf / "train.yaml").write_text(json.dumps(specforge_config(sf, target, key, layers, args), indent=2))
     print(f"{counts['samples']} samples, {counts['tokens']:,} tokens ({counts['trained_tokens']:,} trained), layers "
           f"{list(layers)}, draft vocabulary {len(ids)}: {sf} and {sp}")
-    for line in commands(args, cache, out, model_dir, layers, len(ids)):
+    for line in commands(args, cache, out, model_dir, layers, len(ids), ratio):
         print(line)
     return 0
 
 
-def commands(args, cache: Path, out: Path, model_dir: Path, layers: tuple[int, ...], size: int) -> list[str]:
+def commands(args, cache: Path, out: Path, model_dir: Path, layers: tuple[int, ...], size: int,
+             ratio: float) -> list[str]:
     """The commands that train each peer, bring its draft back, and bench all three on the same prompts."""
     sf, sp, q = out / "specforge", out / "speculators", shlex.quote
     driver = q(str(DRIVER))
@@ -133,9 +134,9 @@ def commands(args, cache: Path, out: Path, model_dir: Path, layers: tuple[int, .
         *partial,
         "# draftsmith",
         f"OMP_NUM_THREADS=1 python -m train eagle3 +model={model} +experiment=sharegpt_eagle3 "
-        f"data.features={q(str(cache))} method.layers=[{','.join(map(str, layers))}] method.draft_vocab={size} "
+        f"data.features={q(str(cache))} data.self_distill=false method.layers=[{','.join(map(str, layers))}] method.draft_vocab={size} "
         f"method.ttt_steps={args.ttt_steps} training.num_train_epochs={args.epochs} training.learning_rate={args.lr} "
-        f"training.per_device_train_batch_size=1 output_dir={q(str(out / 'ours'))}",
+        f"training.per_device_train_batch_size=1 training.max_steps=-1 output_dir={q(str(out / 'ours'))}",
         "# SpecForge 0.2.0 (patches: scripts/peer_eagle3_driver.py)",
         f"OMP_NUM_THREADS=1 {q(args.specforge_python)} {driver} specforge -- train -c {q(str(sf / 'train.yaml'))}",
         f"{q(args.specforge_python)} {driver} specforge -- export --to sglang --checkpoint "
@@ -146,7 +147,7 @@ def commands(args, cache: Path, out: Path, model_dir: Path, layers: tuple[int, .
         "# speculators 0.9.0 (patches: scripts/peer_eagle3_driver.py)",
         f"{q(args.speculators_python)} {driver} speculators-dataset {q(str(sp))}",
         f"OMP_NUM_THREADS=1 {q(args.speculators_python)} {driver} speculators -- "
-        + " ".join(speculators_args(args, model_dir, sp, layers, size)),
+        + " ".join(speculators_args(args, model_dir, sp, layers, size, ratio)),
         f"python scripts/peer_eagle3.py speculators-import {q(str(sp / 'output'))}/<last epoch> "
         f"{q(str(sp / 'export'))}",
         f"python -m models.convert eagle3-import {q(str(sp / 'export'))} {q(str(out / 'speculators-draft'))} "
@@ -157,11 +158,12 @@ def commands(args, cache: Path, out: Path, model_dir: Path, layers: tuple[int, .
     ]
 
 
-def speculators_args(args, model_dir: Path, sp: Path, layers: tuple[int, ...], size: int) -> list[str]:
+def speculators_args(args, model_dir: Path, sp: Path, layers: tuple[int, ...], size: int, ratio: float) -> list[str]:
     """speculators.train's flags for the classic EAGLE-3 layer our engine serves (its 0.9.0 defaults add norms before
     fc, before the residual and on the fed-back state, and a sliding window; the layout has none) and the same
     AdamW, epochs, TTT steps and sequence length as the other two. --mask-token-id: the EAGLE-3 draft reads none, but
-    the CLI resolves one from the target's tokenizer unless given."""
+    the CLI resolves one from the target's tokenizer unless given. --train-data-ratio: the train samples, exactly
+    (train.peer_formats.write_speculators)."""
     q = shlex.quote
     return ["--verifier-name-or-path", q(str(model_dir)), "--data-path", q(str(sp / "data")),
             "--d2t-path", q(str(sp / "d2t.npy")), "--t2d-path", q(str(sp / "t2d.npy")),
@@ -171,7 +173,7 @@ def speculators_args(args, model_dir: Path, sp: Path, layers: tuple[int, ...], s
             "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output", "--full-attention-indices", "0",
             "--mask-token-id", "0", "--hidden-states-dtype", "float32", "--loss-implementation", "eager",
             "--draft-attn-impl", "sdpa", "--num-workers", "0", "--on-missing", "raise",
-            "--save-path", q(str(sp / "output"))]
+            "--train-data-ratio", repr(ratio), "--save-path", q(str(sp / "output"))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,7 +129,10 @@ def test_speculators_files_put_the_last_state_before_the_final_norm(cache: Path,
                                                                       gain: torch.Tensor) -> None:
     norm = pf.FinalNorm(gain, EPS)
     counts = pf.write_speculators(cache, tmp_path / "sp", tuple(LAYERS), pf.cache_vocab(cache, S, V), V, norm)
-    assert counts["samples"] == 3
+    # the cache has no validation split: the first sample again is the held-out row, and the ratio keeps 3 to train
+    rows = (tmp_path / "sp" / "rows.jsonl").read_text().splitlines()
+    assert counts["samples"] == 3 and len(rows) == 4 and rows[3] == rows[0]
+    assert int(len(rows) * counts["train_data_ratio"]) == 3  # speculators' split_idx = int(len * train_ratio)
     for i, item in enumerate(cached(cache)):
         read = speculators_read(tmp_path / "sp", i)
         assert torch.equal(read["input_ids"], item["input_ids"])
@@ -243,7 +246,8 @@ def test_convert_writes_both_and_prints_the_commands(cache: Path, tmp_path: Path
                               "--draft-vocab", str(S), "--max-samples", "2"]) == 0
     printed = capsys.readouterr().out
     assert len(list((out / "specforge" / "data").glob("*.ckpt"))) == 2
-    assert len(list((out / "speculators" / "data" / "hidden_states").glob("hs_*.safetensors"))) == 2
+    assert len(list((out / "speculators" / "data" / "hidden_states").glob("hs_*.safetensors"))) == 3  # + 1 held out
+    assert "--train-data-ratio 0.8333333333333334" in printed  # (2 + 0.5) / 3: speculators trains on the 2
     run = json.loads((out / "specforge" / "train.yaml").read_text())
     assert run["model"]["aux_hidden_state_layer_ids"] == [i - 1 for i in LAYERS]  # SpecForge: layer outputs
     assert run["model"]["lm_head_key"] == "model.embed_tokens.weight"
@@ -305,7 +309,7 @@ def test_both_peers_train_on_the_converted_cache_and_import(tmp_path: Path) -> N
     parsed = script.parser().parse_args(["convert", "--cache", str(cache), "--model", "m", "--out", str(out),
                                          "--draft-vocab", str(S), *args])
     run([sp_python, driver, "speculators", "--",
-         *script.speculators_args(parsed, tmp_path / "target", sp, tuple(LAYERS), S)])
+         *script.speculators_args(parsed, tmp_path / "target", sp, tuple(LAYERS), S, 3.5 / 4)])
     assert pf.speculators_to_eagle3(sp / "output" / "0", sp / "export").is_dir()
     d2t = torch.from_numpy(np.load(sp / "d2t.npy"))
     for name in ("specforge", "speculators"):

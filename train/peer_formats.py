@@ -33,6 +33,7 @@ label); each trainer shifts it as its own loss needs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from models.checkpoint import WEIGHTS_NAME, most_frequent
 from models.eagle3 import check_maps
 from models.eagle3_interop import ARCHITECTURE, sglang_layer_ids
 
+VALIDATION_ROWS = 64  # speculators' held-out rows (its validation loss only)
 FUSED = 3  # EAGLE-3 fuses three target layers; both peers assert it
 # SpecForge's storage: hidden_state in its TargetHead's dtype (bf16, hard-coded in TargetHead.from_pretrained: an
 # fp32 state would not multiply its lm_head), aux_hidden_state in the draft's (model.torch_dtype float32 on a CPU)
@@ -100,9 +102,10 @@ def fused_of(manifest: Manifest, layers: Sequence[int] | None, where: str) -> tu
     return chosen
 
 
-def samples(folder: str | os.PathLike, layers: tuple[int, ...], limit: int | None = None) -> Iterator[Sample]:
-    """The train split's samples in cache order (at most `limit`)."""
-    data = FeatureDataset(folder, "train", layers=layers)
+def samples(folder: str | os.PathLike, layers: tuple[int, ...], limit: int | None = None,
+            split: str = "train") -> Iterator[Sample]:
+    """A split's samples in cache order (at most `limit`)."""
+    data = FeatureDataset(folder, split, layers=layers)
     for i in range(len(data) if limit is None else min(limit, len(data))):
         item = data[i]
         yield Sample(input_ids=item["input_ids"], loss_mask=(item["labels"] != -100).long(),
@@ -184,23 +187,34 @@ def write_specforge(cache: str | os.PathLike, out: str | os.PathLike, layers: tu
 
 def write_speculators(cache: str | os.PathLike, out: str | os.PathLike, layers: tuple[int, ...], ids: torch.Tensor,
                       vocab_size: int, norm: FinalNorm, limit: int | None = None) -> dict[str, Any]:
-    """speculators' hidden_states/hs_<i>.safetensors, rows.jsonl (for `speculators_dataset`), d2t.npy, t2d.npy."""
+    """speculators' hidden_states/hs_<i>.safetensors, rows.jsonl (for `speculators_dataset`), d2t.npy, t2d.npy.
+
+    speculators trains on the first int(rows * train_data_ratio) rows and validates on the rest, a ratio in (0, 1):
+    the rows are the train samples, then the validation split's (at most VALIDATION_ROWS; the first train sample
+    again when the cache has none), and the returned `train_data_ratio` makes the train part exactly the train
+    samples the other trainers see. Counts (samples, tokens, trained_tokens) are the train part's."""
     out = Path(out)
     (out / "data" / "hidden_states").mkdir(parents=True, exist_ok=True)
-    n = tokens = trained = 0
+    train = list(range(len(FeatureDataset(cache, "train"))))[:limit]
+    has_validation = len(FeatureDataset(cache, "validation")) > 0
+    held_out = samples(cache, layers, VALIDATION_ROWS, "validation") if has_validation else samples(cache, layers, 1)
+    tokens = trained = rows_written = 0
     with open(out / "rows.jsonl", "w") as rows:
-        for n, s in enumerate(samples(cache, layers, limit), start=1):
+        for i, s in enumerate(itertools.chain(samples(cache, layers, limit), held_out)):
             states = torch.cat([s.layers, norm.prenorm(s.hidden).unsqueeze(0)]).transpose(0, 1)  # [T, 4, D]
             save_file({"token_ids": s.input_ids.long(), "hidden_states": states.contiguous()},
-                      str(out / "data" / "hidden_states" / f"hs_{n - 1}.safetensors"))
+                      str(out / "data" / "hidden_states" / f"hs_{i}.safetensors"))
             rows.write(json.dumps({"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist(),
                                    "seq_len": len(s.input_ids)}) + "\n")
-            tokens += len(s.input_ids)
-            trained += int(s.loss_mask.sum())
+            if i < len(train):
+                tokens += len(s.input_ids)
+                trained += int(s.loss_mask.sum())
+            rows_written = i + 1
     d2t, t2d = vocab_maps(ids, vocab_size)
     np.save(out / "d2t.npy", d2t.numpy())
     np.save(out / "t2d.npy", t2d.numpy())
-    return {"samples": n, "tokens": tokens, "trained_tokens": trained}
+    return {"samples": len(train), "tokens": tokens, "trained_tokens": trained,
+            "train_data_ratio": (len(train) + 0.5) / rows_written}
 
 
 def speculators_dataset(out: str | os.PathLike) -> Path:
