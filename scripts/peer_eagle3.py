@@ -13,8 +13,13 @@
         the default tree of a draftsmith eagle3 checkpoint (from its measured acceptance) as a tree file, so that
         imported drafts, which carry no acceptance table, are benched on the same tree.
 
-The peers run in their own virtual environments outside the repository (/work/peers/specforge-venv and
-/work/peers/speculators-venv; --specforge-python / --speculators-python), started through scripts/peer_eagle3_driver.py,
+The peers run in their own virtual environments outside the repository, under $DRAFTSMITH_PEERS (default
+<draftsmith cache>/peers: specforge-venv/ and speculators-venv/; --specforge-python / --speculators-python name others):
+    python -m venv --system-site-packages $DRAFTSMITH_PEERS/specforge-venv
+    $DRAFTSMITH_PEERS/specforge-venv/bin/pip install --no-deps specforge==0.2.0   # + its pure-Python dependencies
+    python -m venv --system-site-packages $DRAFTSMITH_PEERS/speculators-venv
+    $DRAFTSMITH_PEERS/speculators-venv/bin/pip install speculators==0.9.0 transformers==5.19.0
+Each is started through scripts/peer_eagle3_driver.py,
 which applies the CPU patches and prints them. Settings: SpecForge training.attention_backend=sdpa, NO_SHARD, fp32
 draft; speculators --hidden-states-dtype float32 --loss-implementation eager --draft-attn-impl sdpa, AdamW, and its
 norms and sliding window off (`speculators_args`). Both get a batch of 1 sample, like our trainer's command.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -37,12 +43,13 @@ import torch  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
 from inference.drafters.eagle3 import default_tree  # noqa: E402
+from models.buildcache import cache_root  # noqa: E402
 from models.eagle3 import Eagle3Config, read_eagle3_config  # noqa: E402
 from models.eagle3_interop import DRAFTSMITH_KEY, foreign_config, sglang_layer_ids  # noqa: E402
 from models.refs import locate  # noqa: E402
 from train import peer_formats as pf  # noqa: E402
 
-PEERS = Path("/work/peers")
+PEERS = Path(os.environ.get("DRAFTSMITH_PEERS") or cache_root() / "peers")
 DRIVER = Path(__file__).resolve().parent / "peer_eagle3_driver.py"
 
 
