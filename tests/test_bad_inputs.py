@@ -3,7 +3,8 @@
 Every case names the call that must refuse the input, the error type, and a regex for the WHOLE message ({cases}:
 the bad_inputs folder, {tmp}: the test's temporary folder). Training-side errors must be of a type the CLI reports
 as one line: `train.cli.UsageError` (exit 2, before the run) or one of `train.cli.user_errors()` (exit 1).
-The storage tests at the end check that a failed save leaves no half-written output.
+The real entry points (a subprocess per command line) and the storage tests (a failed save leaves no half-written
+output) are in tests/test_bad_inputs_entry_points.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 from functools import cache
@@ -34,22 +33,15 @@ from inference.engine.verify import SamplingParams
 from models.checkpoint import CheckpointError, DrafterMismatchError, check_compatible, load_drafter, save_drafter
 from models.interop import load_heads
 from models.loading import ModelLoadError, load_target, load_tokenizer
-from models.medusa import MedusaConfig, MedusaHeads
+from tests.bad_inputs_support import CASES_DIR, Workspace, composed, tiny_heads, two_head_run
+from tests.bad_inputs_support import saved_model  # noqa: F401 (a fixture)
 from tests.data_support import DataCfg, tiny_tokenizer
-from tests.model_support import save_tiny_model, tiny_config
+from tests.model_support import tiny_config
 from train.cli import UsageError, parse, user_errors
 from train.config import register_configs
 from train.resume import resolve_resume
 
-CASES_DIR = Path(__file__).parent / "bad_inputs"
-ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT = DataCfg(name="sharegpt", format="sharegpt", validation_fraction=0.0)
-
-
-@dataclass(frozen=True)
-class Workspace:
-    tmp: Path  # the test's own temporary folder
-    model: Path  # a saved tiny random model (shared: copy it before damaging it)
 
 
 @dataclass(frozen=True)
@@ -88,15 +80,6 @@ def sources(*overrides: str, method: str = "medusa1") -> Callable[[Workspace], A
     return call
 
 
-def composed(method: str, *overrides: str):
-    """The run's config, as `python -m train <method> +model=tiny <overrides>` composes it."""
-    from hydra import compose, initialize_config_module
-
-    register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose(config_name="train", overrides=[f"method={method}", "+model=tiny", *overrides])
-
-
 def trajectories(file: str) -> Callable[[Workspace], Any]:
     """What `python -m train cllm` checks before the target loads: every trajectory record, against the tokenizer."""
     def call(ws: Workspace):
@@ -109,17 +92,6 @@ def trajectories(file: str) -> Callable[[Workspace], Any]:
 
 def copied_model(ws: Workspace) -> Path:
     return Path(shutil.copytree(ws.model, ws.tmp / "model"))
-
-
-def two_head_run(out: Path, *overrides: str) -> Path:
-    """An output_dir holding a trainer checkpoint of a 2-head medusa1 run (config `overrides`); returns it."""
-    from omegaconf import OmegaConf
-
-    saved = composed("medusa1", "method.num_heads=2", f"output_dir={out}", *overrides)
-    checkpoint = save_drafter(out / "checkpoints" / "checkpoint-4", tiny_heads(num_heads=2), saved.model.path,
-                              extra={"config": OmegaConf.to_container(saved, resolve=True), "global_step": 4})
-    (checkpoint / "trainer_state.json").write_text('{"global_step": 4}')
-    return out
 
 
 def unmakeable(ws: Workspace, override: str):
@@ -181,11 +153,6 @@ def damaged_model(damage: Callable[[Path], None], load: Callable = load_target) 
 def truncate(path: Path, keep: float = 0.5) -> None:
     data_ = path.read_bytes()
     path.write_bytes(data_[: int(len(data_) * keep)])
-
-
-def tiny_heads(num_heads: int = 2, hidden_size: int = 32, vocab_size: int = 50) -> MedusaHeads:
-    torch.manual_seed(0)
-    return MedusaHeads(MedusaConfig(num_heads=num_heads, num_layers=1, hidden_size=hidden_size, vocab_size=vocab_size))
 
 
 def damaged_heads(damage: Callable[[Path], None]) -> Callable[[Workspace], Any]:
@@ -416,11 +383,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def saved_model(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("bad-inputs") / "model")
-
-
 def expected(pattern: str, tmp: Path) -> str:
     return pattern.replace("{cases}", re.escape(str(CASES_DIR))).replace("{tmp}", re.escape(str(tmp)))
 
@@ -447,152 +409,3 @@ def test_overlong_sample_is_dropped_and_counted(caplog):
     datasets = build_datasets(replace(SHAREGPT, path=str(CASES_DIR / "one_too_long.jsonl"), max_length=16), tokenizer())
     assert len(datasets.train) == 1
     assert "dropped 1 samples with no assistant token within data.max_length=16" in caplog.text
-
-
-def test_cli_exit_codes_and_single_line(tmp_path):
-    """The real entry point: a config error is one stderr line and exit code 2, before anything is written."""
-    out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "train", "medusa1", "+model=tiny", "training.lerning_rate=1", f"output_dir={out}"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "WARNING" not in line]
-    assert lines == ["error: unknown config key 'training.lerning_rate'; did you mean 'training.learning_rate'?"], lines
-    assert not out.exists()
-
-
-def entry_point_errors(ws: Workspace) -> dict[str, tuple[list[str], int, str]]:
-    """User errors at the entry points: id -> (argv after `python`, exit code, text of the one error line). Each
-    is refused before any model loads, so none writes to its output_dir but Hydra's own log."""
-    model = str(ws.model)
-    draft = ws.tmp / "draft"
-    tiny_config(vocab_size=512).save_pretrained(draft)
-    resumed = ws.tmp / "resumed"
-    run = ["-m", "train", "medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "logger=none"]
-    return {
-        "negative-decay": ([*run, "method.decay=-1", f"output_dir={ws.tmp / 'decay'}"], 2,
-                           "method.decay=-1.0: must be in (0, 1]"),
-        "bad-trajectories": (["-m", "train", "cllm", "+model=tiny", f"model.path={model}", "logger=none",
-                              f"method.trajectories={CASES_DIR / 'trajectory_token_out_of_vocab.jsonl'}",
-                              f"output_dir={ws.tmp / 'cllm'}"], 1, "trajectory_token_out_of_vocab.jsonl:3: "),
-        "draft-vocab-before-self-distillation": (
-            ["-m", "train", "distill", "+model=tiny", f"model.path={model}", f"method.draft={draft}", "logger=none",
-             "data.self_distill=true", "data.self_distill_samples=2", f"output_dir={ws.tmp / 'distill'}"], 1,
-            "the draft model has a vocabulary of 512 tokens"),
-        "resume-other-head-count": ([*run, "method.num_heads=3", "training.resume_from_checkpoint=auto",
-                                     f"output_dir={resumed}"], 1, "was trained with method.num_heads=2"),
-        "data-file-missing": ([*run, "data=sharegpt", f"data.path={ws.tmp / 'nope.json'}",
-                               f"output_dir={ws.tmp / 'nodata'}"], 1,
-                              f"data.path={ws.tmp / 'nope.json'}: no such file or directory"),
-        "inference-nf4-narrow-layers": (["-m", "inference", "generate", "--base", model, "--quantization", "nf4",
-                                         "--prompt", "hi", "--device", "cpu"], 2,
-                                        "in_features=32, not a multiple of the 64-value quantisation block"),
-    }
-
-
-ENTRY_POINT_CASES = ["negative-decay", "bad-trajectories", "draft-vocab-before-self-distillation",
-                     "resume-other-head-count", "data-file-missing", "inference-nf4-narrow-layers"]
-
-
-@pytest.mark.parametrize("case", ENTRY_POINT_CASES)
-def test_entry_points_refuse_user_errors_in_one_line_without_traceback(case, saved_model, tmp_path):
-    ws = Workspace(tmp=tmp_path, model=saved_model)
-    argv, code, needle = entry_point_errors(ws)[case]
-    if case == "resume-other-head-count":
-        two_head_run(tmp_path / "resumed", f"model.path={saved_model}", "model.dtype=fp32", "logger=none")
-    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
-    output = result.stdout + result.stderr
-    assert result.returncode == code, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "WARNING" not in line]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
-    assert "Loading weights" not in output  # refused before any model loaded
-    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    assert {p: b for p, b in after.items() if p in before} == before  # nothing overwritten
-    new = [p.relative_to(tmp_path) for p in after if p not in before]
-    assert all(".hydra" in p.parts or p.name == "train.log" for p in new), new  # no data generated, no checkpoint
-
-
-# --- storage failures: one line, and no half-written output ---
-
-def _no_space(*args, **kwargs):
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-def test_disk_full_during_save_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr("models.checkpoint.save_file", _no_space)
-    with pytest.raises(CheckpointError, match=r"^.*/out: cannot write checkpoint \(No space left on device\)$"):
-        save_drafter(tmp_path / "out", tiny_heads(), "base")
-    assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor its temporary sibling
-
-
-def test_disk_full_over_a_checkpoint_keeps_the_old_one(tmp_path, monkeypatch):
-    old = save_drafter(tmp_path / "out", tiny_heads(num_heads=2), "base")
-    monkeypatch.setattr("models.checkpoint.save_file", _no_space)
-    with pytest.raises(CheckpointError):
-        save_drafter(old, tiny_heads(num_heads=3), "base")
-    assert load_drafter(old).heads.config.num_heads == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-
-
-def test_save_under_a_regular_file(tmp_path):
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointError) as info:
-        save_drafter(tmp_path / "file" / "out", tiny_heads(), "base")
-    assert str(info.value) == f"{tmp_path}/file/out: cannot write checkpoint ({tmp_path}/file is a file, not a directory)"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
-
-
-def test_storage_oserror_from_the_run_is_one_line(monkeypatch, capsys):
-    """An OSError of the storage raised anywhere in the run (e.g. Trainer writing trainer_state.json) is one line."""
-    from train.cli import run_task
-
-    def full_disk(cfg):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/checkpoints/checkpoint-4/trainer_state.json")
-
-    cfg = composed("medusa1")
-    monkeypatch.setattr("train.task.run", full_disk)
-    with pytest.raises(SystemExit) as exit_info:
-        run_task(cfg)
-    assert exit_info.value.code == 1
-    assert capsys.readouterr().err.strip() == (
-        "error: /runs/x/checkpoints/checkpoint-4/trainer_state.json: No space left on device")
-
-    def bug(cfg):
-        raise OSError(errno.EBADF, os.strerror(errno.EBADF))  # not the storage: a program error keeps its traceback
-
-    monkeypatch.setattr("train.task.run", bug)
-    with pytest.raises(OSError):
-        run_task(cfg)
-
-
-def test_disk_full_during_a_training_run(tmp_path, monkeypatch, capsys):
-    """End to end in-process (Hydra task function): the first trainer checkpoint hits ENOSPC -> one line, exit 1, and
-    no checkpoint that resume=auto would pick up."""
-    from hydra import compose, initialize_config_module
-
-    from train.resume import checkpoint_problem
-    from train.cli import run_task
-
-    model = save_tiny_model(tmp_path / "model")
-    out = tmp_path / "run"
-    register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[
-            "method=medusa1", "+model=tiny", f"model.path={model}", "model.dtype=fp32", "data=sharegpt", "data.self_distill=false",
-            f"data.path={CASES_DIR / 'one_too_long.jsonl'}", "data.validation_fraction=0", "data.max_length=32",
-            "training.max_steps=2", "training.save_steps=1", "training.per_device_train_batch_size=1",
-            "method.num_heads=1", "eval.greedy_prompts=0", "logger=none", f"output_dir={out}",
-        ])
-    monkeypatch.setattr("models.checkpoint.save_file", _no_space)
-    with pytest.raises(SystemExit) as exit_info:
-        run_task(cfg)
-    assert exit_info.value.code == 1
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: {out}/checkpoints/checkpoint-1: cannot write checkpoint (No space left on device)"]
-    assert not list((out / "checkpoints").glob(".*tmp*")) and not (out / "config.json").exists()
-    assert resolve_resume("auto", out / "checkpoints") is None
-    assert all(checkpoint_problem(p) for p in (out / "checkpoints").glob("checkpoint-*"))
