@@ -12,8 +12,8 @@ above); alternating them round by round so that a busy machine slows all alike, 
 and their ratios, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy
 bandwidth); then torch's argmax against the engine's `greedy_argmax` on K rows of logits. The target runs in bf16, or
 in fp32 where the kernel takes fp32 (`--dtype fp32`). Outputs agree with stock to bf16 (fp32) rounding
-(tests/test_cpu_kernels.py; the attention path and the argmax are bit-identical, tests/test_attention.py): this
-script only times.
+(tests/test_cpu_kernels.py, tests/test_cpu_kernels_fp32.py; the attention path and the argmax are bit-identical,
+tests/test_attention.py): this script only times.
 """
 
 from __future__ import annotations
