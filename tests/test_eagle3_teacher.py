@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_module
 from data.features import FeatureCollator, FeatureDataset
 from models.loading import load_target
 from tests.conftest import build_tiny_lm
+from tests.features_support import WORDS, extract
 from tests.model_support import save_tiny_model
 from tests.test_eagle3 import random_draft
-from tests.test_features import WORDS, extract
 from train.cli import UsageError, parse
 from train.config import Eagle3Teacher, register_configs
 from train.eagle3 import Eagle3TrainModule, Method, eagle3_loss
