@@ -95,7 +95,7 @@ def cli_error(capsys, *argv: str) -> tuple[int, list[str]]:
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_cli_refuses_max_new_tokens_beyond_the_context_before_loading(saved_model, capsys, monkeypatch, tmp_path,
                                                                       command):
-    monkeypatch.setattr("inference.session.load", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr("inference.session.serve", lambda *a, **k: pytest.fail("a model loaded"))
     questions = tmp_path / "questions" / "q.jsonl"  # its own question file: no shared data folder needed
     questions.parent.mkdir()
     questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Say hi."]}) + "\n")
