@@ -31,20 +31,18 @@ from typing import Callable
 
 import torch
 
+from train.memory_model import SHAPES, Shape  # the standard library only: no package check needed
+
 ROOT = Path(__file__).resolve().parents[1]
 PEAK = Path(__file__).resolve().parent / "gpu_check_peak.py"
 
 
 @dataclass(frozen=True)
 class RecipeShape:
-    """The random target's sizes and the recipe's counts."""
+    """The random target's sizes (train.memory_model's Shape, so the prediction reads the same numbers) and the
+    recipe's counts."""
 
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
+    target: Shape
     batch: int  # training.per_device_train_batch_size
     max_length: int  # data.max_length
     steps: int  # training.max_steps
@@ -55,14 +53,18 @@ class RecipeShape:
     tokenizer_vocab: int = 2048
     tokenizer_chars: int = 400_000  # built-in corpus characters the tokenizer learns from
 
+    def plan(self) -> dict:
+        """The shape and counts as one flat record (the JSON's `plan`)."""
+        counts = {k: v for k, v in asdict(self).items() if k != "target"}
+        return {**asdict(self.target), **counts}
+
 
 RECIPE_SHAPES = {
-    "llama3_1_8b": RecipeShape(4096, 32, 32, 8, 14336, 128256, batch=2, max_length=2048, steps=6, prompts=48,
-                               new_tokens=128),
-    "llama_1_7b": RecipeShape(2048, 24, 16, 16, 8192, 32000, batch=1, max_length=512, steps=3, prompts=24,
-                              new_tokens=32),
-    "small": RecipeShape(64, 8, 4, 4, 128, 2048, batch=2, max_length=256, steps=2, prompts=8, new_tokens=8,
-                         medusa_heads=2, ttt_steps=2, tokenizer_vocab=512, tokenizer_chars=20_000),
+    "llama3_1_8b": RecipeShape(SHAPES["llama3_1_8b"], batch=2, max_length=2048, steps=6, prompts=48, new_tokens=128),
+    "llama_1_7b": RecipeShape(Shape("llama_1_7b", 2048, 24, 16, 16, 8192, 32000), batch=1, max_length=512, steps=3,
+                              prompts=24, new_tokens=32),
+    "small": RecipeShape(Shape("small", 64, 8, 4, 4, 128, 2048), batch=2, max_length=256, steps=2, prompts=8,
+                         new_tokens=8, medusa_heads=2, ttt_steps=2, tokenizer_vocab=512, tokenizer_chars=20_000),
 }
 
 
@@ -75,9 +77,10 @@ def save_target(shape: RecipeShape, folder: Path, device: torch.device, seed: in
     tokenizer_dir = folder / "tokenizer_build"
     build_tokenizer(tokenizer_dir, TokenizerSpec(shape.tokenizer_vocab, shape.tokenizer_chars), progress=False)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    sizes = shape.target
+    config = LlamaConfig(vocab_size=sizes.vocab, hidden_size=sizes.hidden, intermediate_size=sizes.intermediate,
+                         num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads,
+                         num_key_value_heads=sizes.kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -120,11 +123,10 @@ def run(args: list[str], peak_file: Path, log: Path, timeout: float) -> dict:
 
 def predicted_peak(method: str, shape: RecipeShape, seq: int, on_gpu: bool) -> dict:
     """train/memory_model.py's peak for rows of `seq` tokens, every one trained."""
-    from train.memory_model import Shape, TrainSetup, predict  # deferred: after the package checks
+    from train.memory_model import TrainSetup, predict  # deferred: after the package checks
 
-    target = Shape("recipe", shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.intermediate, shape.vocab)
     k = shape.medusa_heads if method == "medusa1" else shape.ttt_steps
-    b = predict(target, TrainSetup(method, shape.batch, max(seq, 3), k, autocast=on_gpu, foreach=on_gpu))
+    b = predict(shape.target, TrainSetup(method, shape.batch, max(seq, 3), k, autocast=on_gpu, foreach=on_gpu))
     return {"seq": seq, "peak_bytes": b.peak, "phase": b.peak_phase, "breakdown": dict(b.rows())}
 
 
@@ -133,13 +135,14 @@ def recipes_section(shape_name: str, folder: Path, out: Path, device: torch.devi
     """Build the target, run both trainers and both exports; figures per command (module docstring)."""
     shape = RECIPE_SHAPES[shape_name]
     on_gpu = device.type == "cuda"
-    say(f"recipes: saving a random Llama (hidden {shape.hidden} x {shape.layers} layers, vocab {shape.vocab}) with a "
+    say(f"recipes: saving a random Llama (hidden {shape.target.hidden} x {shape.target.layers} layers, vocab "
+        f"{shape.target.vocab}) with a "
         f"tokenizer")
     start = time.perf_counter()
     target = save_target(shape, folder, device, seed)
     if on_gpu:
         torch.cuda.empty_cache()
-    result: dict = {"shape": shape_name, "plan": asdict(shape), "save_s": time.perf_counter() - start, "commands": {}}
+    result: dict = {"shape": shape_name, "plan": shape.plan(), "save_s": time.perf_counter() - start, "commands": {}}
     logs = out / "recipes_logs"
     logs.mkdir(exist_ok=True)
     for method, export in (("medusa1", "vllm-export"), ("eagle3", "eagle3-export")):
