@@ -11,14 +11,18 @@ Only the summation order differs from stock, so outputs agree with stock ones to
 of difference a K-row forward already has from a one-row forward. More rows (longer prefills, wider trees) stay on
 stock PyTorch, whose oneDNN GEMM wins there.
 
-fp32 on AVX2 CPUs (no AVX-512; `fp32_route_supported`): stock `F.linear` at 2 to a few rows costs up to twice its
+fp32 on AVX2 CPUs (`fp32_route_supported`; AVX-512 below): stock `F.linear` at 2 to a few rows costs up to twice its
 one-row call (it leaves the BLAS's matrix-vector path; host E, a Zen 3 EPYC, SmolLM2-135M in fp32: an 8-node
 verification forward took 227 ms against 99 for one token), and at 9-17 rows it runs at half the FMA rate the core
 has. The kernel's fp32 blocks (`linear_fp32`: 4 weight rows x 3 input rows of 8-lane dot products, the sums of one
 input row reduced and stored together) run 1..`FP32_ROWS` rows: the same products in another summation order, as
 between a one-row and a K-row forward already (`scripts/step_cost.py --against-stock` measures the forward). Where the
 kernel cannot be built, fp32 layers of 2..`FP32_MM_ROWS` rows run as `weight @ x^T` instead, which takes the BLAS's
-few-row path (`few_rows_fp32`: 146 ms for that 8-node forward). Unmeasured on AVX-512 CPUs, where fp32 stays stock.
+few-row path (`few_rows_fp32`: 146 ms for that 8-node forward). On AVX-512 CPUs the same AVX2 blocks run: stock's
+one-row fp32 product there streams the weights on one thread (a Zen 4 EPYC with AVX-512-BF16, 2 cores: ~11 GB/s
+against ~25 through the kernel), so SmolLM2-135M's plain fp32 step took 31.9 ms against 56.9 stock and an 8-node
+forward 46.3 against 85.7 (`scripts/step_cost.py --dtype fp32 --against-stock`). Intel AVX-512 hosts are unmeasured;
+`--no-cpu-kernel` runs stock anywhere.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, or fp32 where the fp32 route runs; CPU, contiguous
 weight, no forward of their own set by a hook library) through the kernel (or fp32's `weight @ x^T` without it) while
@@ -82,8 +86,8 @@ def avx512_supported() -> bool:
 
 def fp32_route_supported() -> bool:
     """Whether fp32 layers are routed here (the kernel's fp32 blocks, or `weight @ x^T` without the kernel): x86 with
-    AVX2 and no AVX-512, where both were measured to win (module docstring)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+    AVX2 + FMA, where both were measured to win (module docstring; AVX-512 hosts run the same AVX2 blocks)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
 
 def few_rows_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, limit: int) -> torch.Tensor | None:
