@@ -58,7 +58,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter, drafter_config: dict[str, Any] | None = None,
                  cpu_kernel: bool = True, tokenizer: Any = None, chat_template: str | None = None,
-                 slot_cache: bool = True) -> None:
+                 slot_cache: bool = True, compile: bool = False, static_cache: bool = False,
+                 sync_phases: bool = False) -> None:
         self.model = model
         self.drafter = drafter
         self.drafter_config = drafter_config
@@ -66,6 +67,9 @@ class Engine:
         self.tokenizer = tokenizer  # None: ids only
         self.chat_template = chat_template  # a shipped template name or Jinja string; None: the tokenizer's own
         self.slot_cache = slot_cache  # the KV cache in preallocated slots (False: stock concatenation, a baseline)
+        self.compile = compile  # the target's decoding step compiled (inference.engine.compiled)
+        self.static_cache = static_cache  # a fixed-capacity cache, fixed step shapes (inference.engine.static)
+        self.sync_phases = sync_phases  # right per-phase times on CUDA, for benchmarks (DecodeConfig.sync_phases)
 
     @property
     def device(self) -> torch.device:
@@ -204,6 +208,9 @@ class Engine:
             stop_sequences=tuple(tuple(int(t) for t in s) for s in stop),
             cpu_kernel=self.cpu_kernel,
             slot_cache=self.slot_cache,
+            static_cache=self.static_cache,
+            compile=self.compile,
+            sync_phases=self.sync_phases,
         )
         generator = None
         if seed is not None:
@@ -305,7 +312,9 @@ def serve(drafter: str | Path | DrafterRequest | None, base: str | None, target:
         model = load_target(settings.ref, **target_kwargs)
     if target.quantization in (None, "none") and target.tp_plan is None and target.device_map is None:
         model.to(target.device)  # quantization, tp_plan and device_map place the weights themselves
-    return attach(request, model, options, *text)
+    engine = attach(request, model, options, *text)
+    engine.compile, engine.static_cache = target.compile, target.static_cache
+    return engine
 
 
 def attach(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions | None = None,

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from data.errors import UsageError
 from inference.bench.run import add_bench_args
 from inference.bench.tree_fit import add_build_tree_args
-from inference.engine.loop import check_context
+from inference.engine.context import check_context
 from inference.session import (EXIT_USAGE, TRACEBACK_ENV, Parser, add_model_args, add_sampling_args, check_sampling,
                                encode_messages, one_line, open_session)
 from inference.textstream import TextStream
@@ -135,6 +135,7 @@ def stats_dict(stats: Any) -> dict[str, Any]:
         "wall_time_s": times.total,
         "tokens_per_s": stats.new_tokens / times.total if times.total > 0 else 0.0,
         "prefill_ms": times.prefill * 1e3,
+        "compile_s": times.compile,  # steps that compiled a new shape (--compile), outside wall_time_s
         "per_step_ms": {p: getattr(per_step, p) * 1e3 for p in phases},
     }
 

@@ -48,6 +48,11 @@ class TargetOptions:
         cli=False, help="\"auto\" under torchrun shards the target tensor-parallel across the processes (`device` is "
                         "then each process's own); every process runs the same loop and returns the same tokens")
     attn_implementation: str = option("sdpa", cli=False, help="the target's attention (transformers' name)")
+    compile: bool = option(
+        False, help="compile the target's decoding step (torch.compile; CUDA graphs on a GPU) over a static KV cache; "
+                    "each new shape (batch, tree-size bucket, cache capacity) compiles once, timed apart")
+    static_cache: bool = option(
+        False, help="a fixed-capacity KV cache and trees run in size buckets (fixed step shapes; --compile implies it)")
     trust_remote_code: bool = option(False, cli=False, help="run the model's own code from its folder or the hub")
     tokenizer: str | Path | None = option(
         help="tokenizer path (default: the checkpoint's own, unless the base is overridden, else the base model's)")

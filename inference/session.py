@@ -20,7 +20,8 @@ from inference.api import attach, config_before_loading, load_text_side, serve, 
 from inference.drafters.options import LoadOptions
 from inference.drafters.registry import DrafterRequest, named_spec, resolve, spec_names
 from inference.drafters.spec import DrafterSpec
-from inference.engine.loop import SAMPLING_GROUPS, check_context
+from inference.engine.context import check_context
+from inference.engine.loop import SAMPLING_GROUPS
 from inference.engine.options import CLI, add_flags, check_values, from_args
 from inference.options import TargetOptions, add_serving_flags
 from models.loading import check_device, located

@@ -11,9 +11,15 @@ k nodes must accept on average to beat plain decoding, t(k) / t(0) - 1. That is 
 drafted node in plain steps is its `node_cost` option (each step's nodes cut to as many as pay). The last line is the
 curve as K:MS items (--quiet prints only that line), for scripts that replay answers against it.
 
---against-stock also times the loop with its CPU kernels off (stock `F.linear`, the engine's --no-cpu-kernel): the
-two curves alternate, --rounds times each, and each size's figure is the median of its rounds' medians, with the
-ratio of the two beside it.
+--modes times the forward in several ways, alternating, --rounds times each; each size's figure is the median of its
+rounds' medians, and every mode after the first is shown beside the first with the ratio:
+    eager     the engine's default: growing cache, its CPU kernels
+    stock     the CPU kernels off (stock `F.linear`, the engine's --no-cpu-kernel)
+    static    a static cache, trees in node buckets (the engine's --static-cache)
+    compiled  the target's step compiled over a static cache (--compile; the warm-up compiles, apart from the timing)
+The memory-bandwidth floor (weight bytes / copy bandwidth) is printed with each mode's plain step against it.
+
+    python scripts/step_cost.py --base smollm2 --dtype bf16 --modes compiled,eager --nodes 0,1,4,8
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
-from inference.bench.bandwidth import cpu_name  # noqa: E402
+from inference.bench.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
 from inference.engine.step_cost import NODES, StepCost, measure_step_cost  # noqa: E402
 from inference.session import add_model_args, open_session  # noqa: E402
 
@@ -44,6 +50,22 @@ def parse_nodes(text: str) -> tuple[int, ...]:
     return nodes
 
 
+MODES = {  # name -> measure_step_cost's settings
+    "eager": {},
+    "stock": {"cpu_kernel": False},
+    "static": {"static_cache": True},
+    "compiled": {"compile": True},
+}
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """"compiled,eager" -> ("compiled", "eager"); UsageError naming the flag otherwise."""
+    modes = tuple(text.split(","))
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise UsageError(f"--modes takes distinct names among {', '.join(MODES)} joined by commas, got {text!r}")
+    return modes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/step_cost.py", description=__doc__.split("\n\n")[0])
     add_model_args(p)
@@ -52,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per size, after one warm-up (default 5)")
     p.add_argument("--context", type=int, default=256, help="prompt tokens cached before the forwards (default 256)")
     p.add_argument("--quiet", action="store_true", help="print only the K:MS line")
-    p.add_argument("--against-stock", action="store_true",
-                   help="also time the forwards with the engine's CPU kernels off, alternating with them on")
-    p.add_argument("--rounds", type=int, default=3, help="with --against-stock: curves of each kind (default 3)")
+    p.add_argument("--modes", default="eager",
+                   help=f"how the forward runs, comma-separated, the first the main curve: {', '.join(MODES)} "
+                        "(default eager)")
+    p.add_argument("--rounds", type=int, default=3, help="with several --modes: curves of each (default 3)")
     return p
 
 
@@ -62,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         nodes = parse_nodes(args.nodes)
+        modes = parse_modes(args.modes)
         if args.repeats < 1 or args.context < 1 or args.rounds < 1:
             raise UsageError("--repeats, --context and --rounds must be >= 1")
         if args.drafter:
@@ -79,27 +103,29 @@ def main(argv: list[str] | None = None) -> int:
     def progress(k: int, ms: float) -> None:
         print(f"{k} drafted nodes: {ms:.1f} ms", file=sys.stderr, flush=True)
 
-    def curve(cpu_kernel: bool) -> StepCost:
+    def curve(mode: str) -> StepCost:
         return measure_step_cost(model, nodes, repeats=args.repeats, context=args.context, progress=progress,
-                                 cpu_kernel=cpu_kernel)
+                                 **MODES[mode])
 
-    if not args.against_stock:
-        cost, stock = curve(True), None
-    else:
-        rounds = {True: [], False: []}
-        for i in range(args.rounds):
-            for kernels in (True, False):
-                print(f"round {i + 1}/{args.rounds}, CPU kernels {'on' if kernels else 'off'}", file=sys.stderr)
-                rounds[kernels].append(curve(kernels))
-        cost, stock = (StepCost(tuple((k, statistics.median(c.ms(k) for c in rounds[kernels])) for k in nodes))
-                       for kernels in (True, False))
-    extra = "" if stock is None else " stock ms | × stock |"
-    say(f"\n| drafted nodes | ms a forward | × a plain step | break-even accepted drafts (min_expected) |{extra}")
-    say("| ---: | ---: | ---: | ---: |" + ("" if stock is None else " ---: | ---: |"))
+    rounds: dict[str, list[StepCost]] = {mode: [] for mode in modes}
+    for i in range(args.rounds if len(modes) > 1 else 1):
+        for mode in modes:
+            print(f"round {i + 1}, {mode}", file=sys.stderr, flush=True)
+            rounds[mode].append(curve(mode))
+    costs = {mode: StepCost(tuple((k, statistics.median(c.ms(k) for c in curves)) for k in nodes))
+             for mode, curves in rounds.items()}
+    cost, others = costs[modes[0]], modes[1:]
+    extra = "".join(f" {m} ms | × {m} |" for m in others)
+    say(f"\n{modes[0]}:\n| drafted nodes | ms a forward | × a plain step | break-even accepted drafts "
+        f"(min_expected) |{extra}")
+    say("| ---: | ---: | ---: | ---: |" + " ---: | ---: |" * len(others))
     for k, ms in cost.points:
         row = (f"| {k} | {ms:.1f} | {ms / cost.ms(0):.2f} | {cost.break_even(k):.2f} |" if k else
                f"| 0 (plain) | {ms:.1f} | 1.00 | |")
-        say(row + ("" if stock is None else f" {stock.ms(k):.1f} | {ms / stock.ms(k):.2f} |"))
+        say(row + "".join(f" {costs[m].ms(k):.1f} | {ms / costs[m].ms(k):.2f} |" for m in others))
+    floor_ms = weight_bytes(model) / copy_bandwidth(session.engine.device) * 1e3
+    say(f"\nmemory-bandwidth floor {floor_ms:.2f} ms a step; plain step "
+        + ", ".join(f"{m} {costs[m].ms(0) / floor_ms:.2f}x" for m in modes) + " the floor")
     node_cost = cost.node_cost()
     say(f"\none drafted node costs {node_cost:.3f} plain steps (least squares): prompt lookup's "
         f"--drafter-option node_cost={node_cost:.3f}")

@@ -1,15 +1,18 @@
 """inference.kernels.attention (masked GQA sdpa without repeat_kv) and verify.greedy_argmax: both must equal stock
-exactly."""
+exactly (a one-query bf16 forward: within rounding, computed in fp32)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inference.drafters.jacobi import JacobiDrafter
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.verify import ARGMAX_CHUNK, greedy_argmax
-from inference.kernels.attention import NAME, gqa_attention
+from inference.kernels.attention import NAME, gqa_attention, gqa_sdpa
 from tests.conftest import build_tiny_lm
 
 
@@ -84,3 +87,23 @@ def test_greedy_argmax_equals_torch_argmax(dtype, vocab):
         logits = logits.to(dtype)
         assert torch.equal(greedy_argmax(logits), logits.argmax(-1))
         assert greedy_argmax(logits).dtype == torch.int64
+
+
+def test_one_bf16_query_runs_the_flash_kernel_in_fp32():
+    """A bf16 decode step's attention (one query, GQA, with and without a mask) is fp32 flash attention over exact
+    fp32 copies, rounded to bf16 once: within bf16 rounding of stock, and at least as close to fp64."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 16, generator=gen).bfloat16() for h, n in ((4, 1), (2, 40), (2, 40)))
+    module = SimpleNamespace(num_key_value_groups=2)
+    mask = torch.zeros(2, 1, 1, 40, dtype=torch.bfloat16)
+    mask[1, ..., :7] = torch.finfo(torch.bfloat16).min  # a left-padded row
+    for m in (None, mask):
+        ours, _ = gqa_sdpa(module, q, k, v, m, scaling=0.25)  # [B, 1, H, D]
+        fp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=None if m is None else
+                                              m.float(), scale=0.25, enable_gqa=True)
+        assert torch.equal(ours, fp32.transpose(1, 2).bfloat16())
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=None if m is None else
+                                               m.double(), scale=0.25, enable_gqa=True).transpose(1, 2)
+        stock = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.25, enable_gqa=True).transpose(1, 2)
+        assert (ours.double() - exact).abs().max() <= (stock.double() - exact).abs().max()
+        assert torch.allclose(ours.float(), stock.float(), atol=2e-2)

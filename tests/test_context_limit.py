@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference.cli import main
-from inference.engine.loop import DecodeConfig, check_context, generate
+from inference.engine.context import check_context
+from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import load_tree
 from tests.conftest import tiny_config
 from tests.model_support import save_tiny_model

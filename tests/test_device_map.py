@@ -76,9 +76,9 @@ def record_kept_nodes(monkeypatch) -> list[torch.Tensor]:
     kept: list[torch.Tensor] = []
     real = loop.keep_nodes
 
-    def keep_nodes(cache, start: int, keep: torch.Tensor) -> None:
+    def keep_nodes(cache, start: int, keep: torch.Tensor, *rest) -> None:
         kept.append(keep.clone())
-        real(cache, start, keep)
+        real(cache, start, keep, *rest)
 
     monkeypatch.setattr(loop, "keep_nodes", keep_nodes)
     return kept

@@ -364,7 +364,7 @@ def test_head_vocabulary_shortlist_is_lossless(tiny_lm_factory, shared):
 
 def test_phase_timers_synchronise_cuda_at_both_ends(tiny_lm_factory, monkeypatch):
     """On CUDA, kernels run after their launch returns: every timed phase must wait for the device at its start and
-    end, or the forward is billed to verify. A stand-in for the CUDA sync counts the calls (CPU has nothing to wait
+    end, or the forward is billed to verify (DecodeConfig.sync_phases, which benchmarks set). A stand-in for the CUDA sync counts the calls (CPU has nothing to wait
     for, so the real helper returns None there)."""
     import importlib
 
@@ -376,7 +376,9 @@ def test_phase_timers_synchronise_cuda_at_both_ends(tiny_lm_factory, monkeypatch
     assert cuda_sync(model) is None
     calls = []
     monkeypatch.setattr(loop, "cuda_sync", lambda m: (lambda: calls.append(1)))
-    out = generate(model, torch.tensor([[5, 6, 7]]), NoDrafter(), DecodeConfig(max_new_tokens=6))
+    generate(model, torch.tensor([[5, 6, 7]]), NoDrafter(), DecodeConfig(max_new_tokens=6))
+    assert calls == []  # opt-in: a plain generation does not wait on the device between phases
+    out = generate(model, torch.tensor([[5, 6, 7]]), NoDrafter(), DecodeConfig(max_new_tokens=6, sync_phases=True))
     phases_per_step = 5  # draft, forward, verify, cache, drafter update
     assert out.stats.steps > 0
     assert len(calls) == 2 * (1 + phases_per_step * out.stats.steps)

@@ -122,8 +122,8 @@ def test_the_recompute_check_catches_a_cache_surgery_bug(tiny_lm_factory, kind, 
     generate_module = sys.modules["inference.engine.loop"]
     keep = generate_module.keep_nodes
 
-    def off_by_one(cache, start: int, nodes: torch.Tensor) -> None:
-        keep(cache, start, torch.cat([nodes[:, :-1], nodes[:, -2:-1]], dim=1) if nodes.shape[1] > 1 else nodes)
+    def off_by_one(cache, start: int, nodes: torch.Tensor, *rest) -> None:
+        keep(cache, start, torch.cat([nodes[:, :-1], nodes[:, -2:-1]], dim=1) if nodes.shape[1] > 1 else nodes, *rest)
 
     monkeypatch.setattr(generate_module, "keep_nodes", off_by_one)
     with pytest.raises(AssertionError, match="tree logits differ from a fresh forward"):

@@ -53,18 +53,20 @@ def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path,
     table = capsys.readouterr().out
     assert "| 0 (plain) |" in table and "| 4 |" in table and "break-even" in table
     assert "plain steps (least squares): prompt lookup's --drafter-option node_cost=" in table
-    assert script.main([*base, "--nodes", "0,3", "--repeats", "1", "--context", "8", "--against-stock",
+    assert script.main([*base, "--nodes", "0,3", "--repeats", "1", "--context", "8", "--modes", "eager,stock,static",
                         "--rounds", "2"]) == 0
     out = capsys.readouterr()
     rows = [line for line in out.out.splitlines() if line.startswith("| 3 |")]
-    assert len(rows) == 1 and len(rows[0].split("|")) == 8  # the stock ms and the ratio beside the curve's own
-    assert out.err.count("CPU kernels off") == 2 and out.err.count("drafted nodes:") == 2 * 2 * 2
+    assert len(rows) == 1 and len(rows[0].split("|")) == 10  # each other mode's ms and ratio beside the curve's own
+    assert out.err.count("stock") == 2 and out.err.count("drafted nodes:") == 2 * 3 * 2
+    assert "plain step eager" in out.out and "the floor" in out.out
     monkeypatch.setattr(script, "open_session", lambda *a, **k: pytest.fail("the model loaded"))
     for argv, needle in (([*base, "--nodes", "1,2"], "--nodes takes whole numbers ascending from 0"),
                          ([*base, "--nodes", "0,x"], "--nodes takes whole numbers ascending from 0"),
                          ([*base, "--repeats", "0"], "--repeats, --context and --rounds must be >= 1"),
-                         ([*base, "--against-stock", "--rounds", "0"],
+                         ([*base, "--modes", "eager,stock", "--rounds", "0"],
                           "--repeats, --context and --rounds must be >= 1"),
+                         ([*base, "--modes", "eager,fast"], "--modes takes distinct names among eager, stock"),
                          ([*base, "--drafter", "prompt_lookup"], "--drafter: this script times the target alone")):
         assert script.main(argv) == 2
         err = capsys.readouterr().err

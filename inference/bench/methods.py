@@ -67,6 +67,7 @@ class EngineRunner:
 
     def __init__(self, engine: Any, sampling: Sampling) -> None:
         self.engine, self.sampling = engine, sampling
+        engine.sync_phases = True  # per-phase times right on CUDA too (the tables show where a step's time goes)
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnResult:
         s = self.sampling

@@ -148,11 +148,13 @@ def tree_inputs(
     return additive(visible[:, None], dtype), positions
 
 
-def keep_nodes(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+def keep_nodes(cache: DynamicCache, start: int, keep: torch.Tensor, tree_len: int | None = None) -> None:
     """Keep tree nodes `keep` [B, N] (node ids; entries past a row's accepted path may name any node, their slots
-    become holes) at slots start .. start+N-1 and drop the other tree slots. Slots before `start` are untouched."""
+    become holes) at slots start .. start+N-1 and drop the other tree slots. Slots before `start` are untouched.
+    `tree_len`: the slots the tree appended (default: the cache's length past `start`; a static cache, whose length
+    lives on the device, passes it)."""
     b, n = keep.shape
-    tree_len = cache.get_seq_length() - start
+    tree_len = cache.get_seq_length() - start if tree_len is None else tree_len
     in_place = list(range(n))
     if any(row != in_place for row in keep.tolist()):  # on the host: [B, N] is tiny, a kernel costs more
         on_device = _per_device(keep)

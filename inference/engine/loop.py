@@ -29,7 +29,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from inference.engine import static
 from inference.engine.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
+from inference.engine.compiled import TargetStep, target_step
+from inference.engine.context import check_context, check_window, context_length, within_context
 from inference.engine.devices import cuda_sync, input_device
 from inference.engine.drafter import DecodeState, Draft, Drafter, NoDrafter
 from inference.engine.options import check, option
@@ -61,6 +64,12 @@ class DecodeConfig:
     gqa_attention: bool = True  # masked CPU sdpa without repeat_kv (inference.kernels.attention; same outputs as stock)
     slot_cache: bool = True  # the target's KV cache in preallocated slots (inference.engine.cache.SlotLayer); False:
     # stock DynamicCache concatenation (the same values; a baseline for benchmarks)
+    static_cache: bool = False  # a fixed-capacity cache and trees run in node buckets: fixed step shapes
+    # (inference.engine.static)
+    compile: bool = False  # the target's decode step through torch.compile (inference.engine.compiled); implies
+    # static_cache
+    sync_phases: bool = False  # on CUDA, wait for the device at both ends of every timed phase: right per-phase
+    # times (benchmarks) for the overlap of one phase's kernels with the next one's launches; off, only totals are right
 
     def __post_init__(self) -> None:
         check(self, error=ValueError)
@@ -75,7 +84,8 @@ SAMPLING_GROUPS = (DecodeConfig, SamplingParams)
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Wall-clock seconds per phase, summed over the run; `other` is commit, stop checks and streaming."""
+    """Wall-clock seconds per phase, summed over the run; `other` is commit, stop checks and streaming. `compile`: the
+    target steps that compiled a new shape (DecodeConfig.compile), apart from the rest and not in `total`."""
 
     prefill: float
     draft: float
@@ -83,9 +93,11 @@ class StepTimes:
     verify: float
     cache: float
     other: float
+    compile: float = 0.0
 
     @property
     def total(self) -> float:
+        """Seconds of generation, compilation excluded."""
         return self.prefill + self.draft + self.forward + self.verify + self.cache + self.other
 
 
@@ -110,7 +122,7 @@ class GenerationStats:
         """Mean seconds per decoding step for each phase (prefill stays its one-off total)."""
         n = max(self.steps, 1)
         t = self.times
-        return StepTimes(t.prefill, t.draft / n, t.forward / n, t.verify / n, t.cache / n, t.other / n)
+        return StepTimes(t.prefill, t.draft / n, t.forward / n, t.verify / n, t.cache / n, t.other / n, t.compile)
 
 
 @dataclass(frozen=True)
@@ -129,7 +141,7 @@ class _Clock:
 
     sync: Callable[[], None] | None = None
     totals: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("prefill", "draft", "forward", "verify", "cache"), 0.0)
+        default_factory=lambda: dict.fromkeys(("prefill", "draft", "forward", "verify", "cache", "compile"), 0.0)
     )
 
     @contextmanager
@@ -164,7 +176,11 @@ def prefill(
     states a feature drafter reads, kept for every prompt position in `state.features`."""
     dtype = model.get_input_embeddings().weight.dtype
     mask, positions = prefill_inputs(pad_mask, dtype)
-    cache = new_cache(reserve=config.max_new_tokens + TREE_SLOTS, slots=config.slot_cache)
+    if config.static_cache or config.compile:
+        slots = static.capacity_for(input_ids.shape[1] + config.max_new_tokens + TREE_SLOTS)
+        cache, mask = static.new_static_cache(slots), static.prefill_mask(pad_mask, dtype, slots)
+    else:
+        cache = new_cache(reserve=config.max_new_tokens + TREE_SLOTS, slots=config.slot_cache)
     out = model(
         input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
         logits_to_keep=1, **hidden_request(needs_hidden, layers),
@@ -186,21 +202,31 @@ def prefill(
 
 
 def forward_tree(
-    model: torch.nn.Module, state: DecodeState, draft: Draft, needs_hidden: bool, layers: tuple[int, ...] = ()
+    model: torch.nn.Module, state: DecodeState, draft: Draft, needs_hidden: bool, layers: tuple[int, ...] = (),
+    step: TargetStep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One target forward over the tree: logits [B, K, V] and, when asked, final-norm hidden states [B, K, D].
-    Appends K slots to the cache. With `layers`, `state.features` becomes those layers at every node [B, K, L*D]
-    (the same forward: no second target pass)."""
+    Appends K slots to the cache (W = static.bucket(K) over a static cache, the padding dropped from what returns).
+    With `layers`, `state.features` becomes those layers at every node [B, K, L*D] (the same forward: no second
+    target pass). `step`: how the forward is called (compiled or not; default: the model itself)."""
     dtype = model.get_input_embeddings().weight.dtype
-    mask, positions = tree_inputs(draft.tree, state.valid, state.next_pos, dtype)
+    tokens, k = draft.tokens, draft.tree.num_nodes
+    if static.static_layers(state.cache):
+        width = static.bucket(k)
+        static.ensure_capacity(state.cache, state.valid.shape[1] + width)
+        slots = static.capacity(state.cache)
+        mask, positions = static.tree_inputs(draft.tree, state.valid, state.next_pos, dtype, slots, width)
+        tokens = static.pad_tokens(tokens, width)
+    else:
+        mask, positions = tree_inputs(draft.tree, state.valid, state.next_pos, dtype)
     positions = within_context(positions, context_length(model.config))
-    out = model(
-        input_ids=draft.tokens, attention_mask=mask, position_ids=positions, cache=state.cache, use_cache=True,
+    out = (step or model)(
+        input_ids=tokens, attention_mask=mask, position_ids=positions, cache=state.cache, use_cache=True,
         **hidden_request(needs_hidden, layers),
     )
     if layers:
-        state.features = layer_features(out, layers, draft.tokens.device)
-    return out.logits, (out.hidden_states[-1] if needs_hidden else None)
+        state.features = layer_features(out, layers, draft.tokens.device)[:, :k]
+    return out.logits[:, :k], (out.hidden_states[-1][:, :k] if needs_hidden else None)
 
 
 def verify_device(logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator | None) -> torch.device:
@@ -245,11 +271,13 @@ def _verify_on(
     return verify_rejection(draft.tokens, logits, draft.tree, config.sampling, generator)
 
 
-def accept(state: DecodeState, result: VerifyResult, hidden: torch.Tensor | None) -> None:
-    """Keep the accepted path in the cache (root + accepted drafts per row), advance positions, set the new root."""
+def accept(state: DecodeState, result: VerifyResult, hidden: torch.Tensor | None, tree_slots: int | None = None
+           ) -> None:
+    """Keep the accepted path in the cache (root + accepted drafts per row), advance positions, set the new root.
+    `tree_slots`: the slots the tree forward appended (its nodes, padding included; default: read from the cache)."""
     start = state.valid.shape[1]
     width = int(result.num_accepted.max()) + 1
-    keep_nodes(state.cache, start, result.path[:, :width].clamp(min=0))
+    keep_nodes(state.cache, start, result.path[:, :width].clamp(min=0), tree_slots)
     state.valid = commit_slots(state.valid, result.num_accepted, width)
     state.next_pos = state.next_pos + result.num_accepted + 1
     state.root = result.next_token
@@ -269,51 +297,6 @@ def stop_index(tokens: list[int], start: int, config: DecodeConfig) -> int | Non
             if i + 1 >= len(seq) and tuple(tokens[i + 1 - len(seq) : i + 1]) == seq:
                 return i + 1
     return None
-
-
-def context_length(config: Any) -> int | None:
-    """The positions a target can take: its (text) config's max_position_embeddings; None when it states none or
-    there is no config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    return int(limit) if limit else None
-
-
-def check_context(config: Any, prompt_tokens: int, max_new_tokens: int, flag: str = "max_new_tokens",
-                  model: str = "the model") -> None:
-    """Refuse, in one line naming `flag`, a generation that does not fit the target's context (`config`: the target's
-    config, or its config.json read before it loads): the prompt plus max_new_tokens must fit max_position_embeddings.
-    Within that, a tree step at the end of the context stays exact: `within_context`."""
-    limit = context_length(config)
-    if limit is None or prompt_tokens + max_new_tokens <= limit:
-        return
-    if prompt_tokens >= limit:
-        raise ValueError(f"the prompt's {prompt_tokens} tokens fill {model}'s context of {limit} positions "
-                         f"(max_position_embeddings): no room for new tokens")
-    raise ValueError(f"{flag}={max_new_tokens}: {prompt_tokens} prompt token(s) + {max_new_tokens} new tokens exceed "
-                     f"{model}'s context of {limit} positions (max_position_embeddings); at most "
-                     f"{limit - prompt_tokens} new tokens fit")
-
-
-def within_context(positions: torch.Tensor, limit: int | None) -> torch.Tensor:
-    """Tree position ids [B, K] with those past the context clamped to its last position; exact. With prompt +
-    max_new_tokens within the context (`check_context`), a row with r tokens still to produce reads the outputs of
-    its nodes of depth < r only, all below position prompt + max_new_tokens - 1; a node past the context is deeper
-    (its token comes after max_new_tokens) or belongs to a finished row riding along, and its key is seen only by
-    its own descendants: nothing kept depends on it. Clamping keeps such nodes from indexing a learned position table
-    out of range or switching on dynamic RoPE rescaling for the whole forward (which would change kept logits)."""
-    return positions if limit is None else positions.clamp(max=limit - 1)
-
-
-def check_window(model: torch.nn.Module, total_len: int) -> None:
-    """The cache here is full-attention; refuse lengths where a sliding-window model would attend differently."""
-    window = getattr(model.config, "sliding_window", None)
-    layer_types = getattr(model.config, "layer_types", None) or ["sliding_attention"]
-    if window and any("sliding" in t for t in layer_types) and total_len > window:
-        raise ValueError(
-            f"prompt + max_new_tokens = {total_len} exceeds the model's sliding_window={window}; "
-            "sliding-window attention is not supported by the tree cache"
-        )
 
 
 @torch.inference_mode()
@@ -370,9 +353,10 @@ def _generate(
     stream: Callable[[int, list[int]], bool | None] | None,
     generator: torch.Generator | None,
 ) -> GenerationOutput:
-    clock = _Clock(sync=cuda_sync(model))
+    clock = _Clock(sync=cuda_sync(model) if config.sync_phases else None)
     start = time.perf_counter()
     layers = feature_layers(drafter)
+    step = target_step(model, config.compile)
     with clock("prefill"):
         state = prefill(model, input_ids, pad_mask, config, drafter.needs_hidden, generator, layers)
     batch = input_ids.shape[0]
@@ -383,12 +367,12 @@ def _generate(
     while not all(done):
         with clock("draft"):
             draft = drafter.propose(state)
-        with clock("forward"):
-            logits, hidden = forward_tree(model, state, draft, drafter.needs_hidden, layers)
+        with clock("compile" if step.compiles(state, draft, drafter.needs_hidden, layers) else "forward"):
+            logits, hidden = forward_tree(model, state, draft, drafter.needs_hidden, layers, step)
         with clock("verify"):
             result = verify(draft, logits, config, generator)
         with clock("cache"):
-            accept(state, result, hidden)
+            accept(state, result, hidden, static.tree_slots(state.cache, draft.tree.num_nodes))
         state.logits = logits  # kept for drafters that iterate on the target's predictions (Jacobi)
         with clock("draft"):
             drafter.update(state, draft, result)

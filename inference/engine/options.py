@@ -130,6 +130,8 @@ def add_flags(parser: argparse.ArgumentParser | Any, group: type, defaults: dict
             continue
         default = (defaults or {}).get(f.name, cli_default(f, opt))
         kwargs: dict[str, Any] = {"help": opt.help, "default": default}
+        if isinstance(default, bool) and opt.type is None and opt.choices is None:  # a switch: --name turns it on
+            kwargs["action"] = "store_true"
         if opt.type is not None:
             kwargs["type"] = opt.type
         if opt.choices is not None:

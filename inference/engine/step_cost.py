@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 
 from inference.engine.drafter import Draft
+from inference.engine.compiled import target_step
 from inference.engine.loop import DecodeConfig, forward_tree, prefill
+from inference.engine.static import tree_slots
 from inference.engine.tree import build_tree
 from inference.kernels.attention import gqa_attention
 from inference.kernels.cpu_linear import fast_linears
@@ -84,16 +86,18 @@ class StepCost:
 
 @torch.inference_mode()
 def measure_step_cost(model: torch.nn.Module, nodes: tuple[int, ...] = NODES, repeats: int = 5, context: int = 256,
-                      seed: int = 0, progress: Callable[[int, float], None] | None = None, cpu_kernel: bool = True
-                      ) -> StepCost:
-    """The median over `repeats` (after one warm-up) of the target's forward over a chain of k drafted nodes after a
-    `context`-token prompt of random ids, for each k of `nodes` (ascending from 0), run as the loop runs it
-    (`forward_tree`, with its CPU kernels unless `cpu_kernel` is False, as DecodeConfig.cpu_kernel); the cache is
+                      seed: int = 0, progress: Callable[[int, float], None] | None = None, cpu_kernel: bool = True,
+                      static_cache: bool = False, compile: bool = False) -> StepCost:
+    """The median over `repeats` (after one warm-up, which also compiles) of the target's forward over a chain of k
+    drafted nodes after a `context`-token prompt of random ids, for each k of `nodes` (ascending from 0), run as the
+    loop runs it (`forward_tree` with DecodeConfig's `cpu_kernel`, `static_cache` and `compile`); the cache is
     cropped back after each. `progress(k, ms)` after each k."""
     device = model.get_input_embeddings().weight.device
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)  # [1, T]
-    config = DecodeConfig(max_new_tokens=max(nodes) + 1, cpu_kernel=cpu_kernel)
+    config = DecodeConfig(max_new_tokens=max(nodes) + 1, cpu_kernel=cpu_kernel, static_cache=static_cache,
+                          compile=compile)
+    step = target_step(model, config.compile)
     points = []
     with fast_linears(model, enabled=config.cpu_kernel), gqa_attention(model, enabled=config.gqa_attention):
         state = prefill(model, ids, torch.ones_like(ids, dtype=torch.bool), config, False, None)
@@ -103,11 +107,11 @@ def measure_step_cost(model: torch.nn.Module, nodes: tuple[int, ...] = NODES, re
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
-                forward_tree(model, state, draft, needs_hidden=False)
+                forward_tree(model, state, draft, needs_hidden=False, step=step)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
-                state.cache.crop(-(k + 1))  # back to the prompt
+                state.cache.crop(-tree_slots(state.cache, k + 1))  # back to the prompt
             ms = 1000 * statistics.median(times[1:])
             points.append((k, ms))
             if progress is not None:

@@ -16,12 +16,12 @@ one-row call (it leaves the BLAS's matrix-vector path; host E, a Zen 3 EPYC, Smo
 verification forward took 227 ms against 99 for one token), and at 9-17 rows it runs at half the FMA rate the core
 has. The kernel's fp32 blocks (`linear_fp32`: 4 weight rows x 3 input rows of 8-lane dot products, the sums of one
 input row reduced and stored together) run 1..`FP32_ROWS` rows: the same products in another summation order, as
-between a one-row and a K-row forward already (`scripts/step_cost.py --against-stock` measures the forward). Where the
-kernel cannot be built, fp32 layers of 2..`FP32_MM_ROWS` rows run as `weight @ x^T` instead, which takes the BLAS's
+between a one-row and a K-row forward already (`scripts/step_cost.py --modes eager,stock` measures the forward).
+Where the kernel cannot be built, fp32 layers of 2..`FP32_MM_ROWS` rows run as `weight @ x^T` instead, which takes the BLAS's
 few-row path (`few_rows_fp32`: 146 ms for that 8-node forward). On AVX-512 CPUs the same AVX2 blocks run: stock's
 one-row fp32 product there streams the weights on one thread (a Zen 4 EPYC with AVX-512-BF16, 2 cores: ~11 GB/s
 against ~25 through the kernel), so SmolLM2-135M's plain fp32 step took 31.9 ms against 56.9 stock and an 8-node
-forward 46.3 against 85.7 (`scripts/step_cost.py --dtype fp32 --against-stock`). Intel AVX-512 hosts are unmeasured;
+forward 46.3 against 85.7 (`scripts/step_cost.py --dtype fp32 --modes eager,stock`). Intel AVX-512 hosts are unmeasured;
 `--no-cpu-kernel` runs stock anywhere.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, or fp32 where the fp32 route runs; CPU, contiguous
@@ -268,6 +268,8 @@ class KernelLinear(nn.Linear):
     # FP32_MM_ROWS through `weight @ x^T` where the kernel is not built)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced(x)
         routing = _routing.get()
         if routing is not None and self.weight.dtype == torch.float32:
             kernel, limit = routing
@@ -284,6 +286,39 @@ class KernelLinear(nn.Linear):
             if y is not None:
                 return y
         return F.linear(x, self.weight, self.bias)
+
+    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward inside a compiled graph (inference.engine.compiled), where the routing's context variable
+        cannot be read: an installed layer routes every call its kernel takes (shapes are fixed when the graph is
+        traced) through the kernel's custom ops, which the graph calls like any other op; stock F.linear elsewhere."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        if (torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != self.weight.dtype
+                or not 1 <= rows <= self.kernel_rows or load_kernel() is None):
+            return F.linear(x, self.weight, self.bias)
+        if x.dtype == torch.float32:
+            return torch.ops.draftsmith.linear_fp32(x, self.weight, self.bias)
+        return torch.ops.draftsmith.linear_bf16(x, self.weight, self.bias, _amx, _dp)
+
+
+@torch.library.custom_op("draftsmith::linear_fp32", mutates_args=(), schema="(Tensor x, Tensor w, Tensor? b) -> Tensor")
+def _linear_fp32_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return _require_kernel().linear_fp32(x, w, b)
+
+
+@torch.library.custom_op("draftsmith::linear_bf16", mutates_args=(),
+                         schema="(Tensor x, Tensor w, Tensor? b, bool amx, bool dp) -> Tensor")
+def _linear_bf16_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, amx: bool, dp: bool) -> torch.Tensor:
+    return _require_kernel().linear_bf16(x, w, b, amx, True, dp)
+
+
+@_linear_fp32_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+@_linear_bf16_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, amx: bool, dp: bool) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 # (the kernel, a row limit) inside a fast_linears block of this thread / task; None: KernelLinear runs stock

@@ -1,0 +1,118 @@
+"""The static cache, node buckets and the compiled step (inference.engine.static, inference.engine.compiled): the
+same greedy answers as the growing cache, in fp32, for every kind of draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from inference.bench.engine_check import lm_head_eagle3
+from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
+from inference.drafters.jacobi import JacobiDrafter
+from inference.drafters.prompt_lookup import PromptLookupDrafter
+from inference.engine import static
+from inference.engine.cache import tree_inputs
+from inference.engine.loop import DecodeConfig, generate
+from inference.engine.tree import build_tree
+from inference.kernels import cpu_linear
+from tests.test_draft_model import left_pad
+from tests.test_lookahead import repetitive_prompts
+
+
+def drafters(model: nn.Module) -> dict[str, object]:
+    tree = eagle3_tree("dynamic:8:3:2", [], "cpu", draft_vocab=model.config.vocab_size)
+    return {
+        "plain": None,
+        "prompt_lookup": PromptLookupDrafter(num_draft=5),  # chains of changing length: several buckets
+        "jacobi": JacobiDrafter(),
+        "eagle3": Eagle3Drafter(lm_head_eagle3(model), tree, model.get_input_embeddings()),  # trees, features, hidden
+    }
+
+
+@pytest.mark.parametrize("name", ["plain", "prompt_lookup", "jacobi", "eagle3"])
+def test_static_cache_answers_equal_the_growing_cache(tiny_lm, name, single_thread):
+    """Three left-padded rows of different lengths: every row's answer and every step's acceptance are the growing
+    cache's."""
+    ids, mask = left_pad(repetitive_prompts(7, 3))
+    drafter = drafters(tiny_lm)[name]
+    growing = generate(tiny_lm, ids, drafter, DecodeConfig(max_new_tokens=24), attention_mask=mask)
+    fixed = generate(tiny_lm, ids, drafter, DecodeConfig(max_new_tokens=24, static_cache=True), attention_mask=mask)
+    assert fixed.sequences == growing.sequences
+    assert fixed.stats.accepted == growing.stats.accepted
+    if name != "plain":
+        assert growing.stats.mean_accepted > 0  # drafts were accepted: the surgery ran
+
+
+def test_bucket_masks_hide_the_padding_and_match_the_growing_cache_on_real_nodes():
+    tree = build_tree([(0,), (1,), (0, 0)], num_heads=2, topk=2)  # K = 4 nodes, run as 4; take a bucket of 8
+    valid = torch.tensor([[True, True, True, True, True], [False, False, True, True, True]])  # [B, S]
+    next_pos = torch.tensor([5, 3])
+    mask, positions = static.tree_inputs(tree, valid, next_pos, torch.float32, slots=16, width=8)
+    assert mask.shape == (2, 1, 8, 16) and positions.shape == (2, 8)
+    visible = mask[:, 0] == 0  # [B, W, C]
+    grown, grown_positions = tree_inputs(tree, valid, next_pos, torch.float32)
+    assert torch.equal(visible[:, :4, :9], grown[:, 0] == 0)  # real nodes: the growing cache's mask
+    assert torch.equal(positions[:, :4], grown_positions)
+    pad_keys = visible[:, :, 9:13]  # [B, W, 4]: the padding nodes' slots, seen by themselves only
+    assert torch.equal(pad_keys, torch.eye(8, dtype=torch.bool)[:, 4:].expand(2, 8, 4))
+    assert torch.equal(visible[:, 4:, :5], valid[:, None].expand(2, 4, 5))  # padding sees the valid slots ...
+    assert not visible[:, 4:, 5:9].any()  # ... and no real node
+    assert not visible[:, :, 13:].any()  # slots past the tree: stale, hidden
+    assert positions[:, 4:].tolist() == [[5] * 4, [3] * 4]  # padding at the root's position
+    assert static.pad_tokens(torch.tensor([[7, 8, 9, 10]]), 8).tolist() == [[7, 8, 9, 10, 7, 7, 7, 7]]
+
+
+def test_buckets_and_capacities():
+    assert [static.bucket(k) for k in (1, 2, 3, 5, 9, 33, 64, 65, 100)] == [1, 2, 4, 8, 16, 64, 64, 65, 100]
+    assert static.capacity_for(1) == static.CAPACITY_STEP and static.capacity_for(static.CAPACITY_STEP + 1) == \
+        2 * static.CAPACITY_STEP
+
+
+def test_a_static_layer_grows_keeping_its_entries():
+    cache = static.new_static_cache(4)
+    keys = torch.randn(1, 2, 3, 8)
+    cache.update(keys, -keys, 0)
+    assert static.static_layers(cache) and static.capacity(cache) == 4
+    static.ensure_capacity(cache, 6)  # rounds up to a multiple of CAPACITY_STEP
+    layer = cache.layers[0]
+    assert static.capacity(cache) == static.CAPACITY_STEP == layer.keys.shape[2]
+    assert torch.equal(layer.keys[:, :, :3], keys) and torch.equal(layer.values[:, :, :3], -keys)
+    assert int(layer.get_seq_length()) == 3
+    cache.update(keys, keys, 0)  # the next write lands after the kept entries
+    assert torch.equal(layer.keys[:, :, 3:6], keys)
+
+
+def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(tiny_lm_factory, single_thread):
+    """One compile per shape: a second generation of the same shapes compiles nothing."""
+    torch._dynamo.reset()
+    model = tiny_lm_factory("llama")
+    ids, mask = left_pad(repetitive_prompts(7, 2))
+    drafter = PromptLookupDrafter(num_draft=3)
+    eager = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16), attention_mask=mask)
+    first = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16, compile=True), attention_mask=mask)
+    again = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16, compile=True), attention_mask=mask)
+    assert first.sequences == eager.sequences == again.sequences
+    assert first.stats.accepted == eager.stats.accepted
+    assert first.stats.times.compile > 0 and again.stats.times.compile < first.stats.times.compile / 10
+    times = first.stats.times
+    assert times.total == pytest.approx(times.prefill + times.draft + times.forward + times.verify + times.cache
+                                        + times.other)  # compile is not in total
+
+
+@pytest.mark.skipif(not cpu_linear.cpu_supported() or cpu_linear.load_kernel() is None,
+                    reason="the engine's CPU kernel does not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kernel_linear_compiles_into_one_graph_with_the_kernel_in_it(dtype, monkeypatch):
+    """No graph break at the kernel (fullgraph=True would raise), and the compiled layer gives the eager kernel's
+    result."""
+    monkeypatch.setattr(cpu_linear, "fp32_route_supported", lambda: True)
+    torch._dynamo.reset()
+    layer = nn.Linear(64, 48, dtype=dtype).requires_grad_(False)
+    cpu_linear.install(layer)
+    assert isinstance(layer, cpu_linear.KernelLinear)
+    x = torch.randn(1, 64, dtype=dtype)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    with torch.inference_mode(), cpu_linear.fast_linears(layer):
+        eager = layer(x)
+        assert torch.equal(compiled(x), eager)
