@@ -18,6 +18,8 @@ own shapes):
             engine efficiency; greedy identity of the trees vs our plain loop vs Hugging Face `generate`, each
             first divergence re-run in fp32 (fp64 on a CPU) and counted as a near tie or a real mismatch
             (inference.bench.greedy_ties)
+    compiled the static cache and compiled step (CUDA graphs) against the eager engine and the memory floor: plain
+            and 7/31-node steps, decoding tokens/s, compile seconds; fp32 identity (scripts/gpu_check_compiled.py)
     drafters every drafter kind through the public API (`inference.load`) on the device, fp32 with TF32 off, on a small
             random Llama: Medusa heads, EAGLE-3 (static and dynamic tree) and a draft model saved as checkpoints,
             prompt lookup, lookahead and Jacobi by name; a left-padded batch decoded greedily must equal plain greedy
@@ -54,10 +56,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_check_*, however this file was started
 
+from gpu_check_compiled import compiled_section, small_llama  # noqa: E402
 from gpu_check_drafters import drafters_section  # noqa: E402
 from gpu_check_recipes import RECIPE_SHAPES, recipes_section  # noqa: E402
 
-SECTIONS = ("train", "nf4", "engine", "drafters", "tiny", "recipes")
+SECTIONS = ("train", "nf4", "engine", "compiled", "drafters", "tiny", "recipes")
 # What the sections import (transformers and its own dependencies, omegaconf, hydra-core, accelerate): tried after the
 # argument checks, so a machine that lacks a package says so in one line before any model is built.
 REQUIRED = ("transformers", "train.medusa1_cost", "inference.bench.engine_check", "inference.cli")
@@ -385,7 +388,7 @@ def main(argv: list[str]) -> int:
     results: dict[str, Any] = {"meta": meta(args, plan, device, sections), **dict.fromkeys(sections)}
     write(out, results, progress)
     nf4_reason = nf4_unavailable() if "nf4" in sections else None
-    if {"train", "nf4", "engine"} & set(sections):
+    if {"train", "nf4", "engine", "compiled"} & set(sections):
         from train.medusa1_cost import release  # deferred: after the package checks
 
         baseline = allocated(device)
@@ -402,6 +405,11 @@ def main(argv: list[str]) -> int:
             if "engine" in sections:
                 run_section("engine", results, out, progress, lambda: engine_section(model, plan, device, args.seed,
                                                                                      progress))
+            if "compiled" in sections:  # prompts of --context tokens: one cache capacity for every run
+                prompts = [torch.randint(3, plan.vocab, (plan.context,)).tolist() for _ in range(plan.prompts)]
+                run_section("compiled", results, out, progress, lambda: compiled_section(
+                    model, prompts, plan.new_tokens, plan.context, plan.reps,
+                    lambda: small_llama(plan.drafter_vocab, device, args.seed), progress.say))
             del model  # the NF4 target loads into the memory the bf16 one held
             release(device)
             if "nf4" in sections and nf4_reason is None:

@@ -96,6 +96,24 @@ def tiny_lines(tiny: Any) -> list[str]:
             f"{_f(s['engine_efficiency'])}; greedy outputs identical: {check.get('identical')}"]
 
 
+def compiled_lines(compiled: Any) -> list[str]:
+    lines = unavailable("compiled", compiled)
+    if lines:
+        return lines
+    steps = compiled["step_ms"]
+    lines = [f"compiled step (static cache, CUDA graphs) vs eager; memory floor {compiled['floor_ms']:.2f} ms:"]
+    for mode in ("eager", "compiled"):
+        ms = ", ".join(f"{k} drafted {v:.2f}" for k, v in steps[mode].items())
+        lines.append(f"  {mode:9} ms {ms}; plain {compiled[f'{mode}_plain_over_floor']:.2f}x the floor, 8 nodes "
+                     f"{compiled[f'{mode}_8_nodes_over_plain']:.2f}x plain")
+    for name, row in compiled["decode"].items():
+        lines.append(f"  {name:24}{row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  "
+                     f"{row['speedup_over_eager_plain']:.2f}x eager plain  compile {row['compile_s']:.1f} s  "
+                     f"rows equal to eager {row['rows_equal_eager']}")
+    same = ", ".join(f"{d} {r['identical']}/{r['rows']}" for d, r in compiled["identical_fp32"].items())
+    return lines + [f"  fp32 compiled answers identical to eager: {same}"]
+
+
 def recipe_lines(recipes: Any) -> list[str]:
     lines = unavailable("recipes", recipes)
     if lines:
@@ -122,7 +140,8 @@ def format_report(results: dict[str, Any]) -> str:
             f"Llama hidden {p['hidden']} x {p['layers']} layers, vocab {p['vocab']}; {m['wall_s']:.0f} s")
     bad = [f"NaN or infinite, written as null: {', '.join(m['nonfinite'])}"] if m.get("nonfinite") else []
     return "\n".join([head, *bad, *train_lines(results.get("train"), results.get("nf4")),
-                      *engine_lines(results.get("engine")), *drafter_lines(results.get("drafters")),
+                      *engine_lines(results.get("engine")), *compiled_lines(results.get("compiled")),
+                      *drafter_lines(results.get("drafters")),
                       *tiny_lines(results.get("tiny")), *recipe_lines(results.get("recipes"))])
 
 
