@@ -20,6 +20,7 @@ EXTRA_OF = {
     "wandb": "wandb",  # logger=wandb
     "datasets": "hub",  # hub datasets and `datasets.save_to_disk` folders as data.path
     "matplotlib": "plots",  # bench --plot
+    "llama_cpp": "llamacpp",  # bench --baselines llama_cpp (built from source on install: minutes)
 }
 
 

@@ -149,6 +149,7 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
         text = load_text_side(request, settings, base_overridden=args.base is not None,
                               tokenizer=target_options.tokenizer, chat_template=target_options.chat_template)
         engine = attach(request, share.engine.model, options, *text)
+        engine.compile, engine.static_cache = target_options.compile, target_options.static_cache
     else:
         engine = serve(request, args.base, target_options, options, CLI)
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)

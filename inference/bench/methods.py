@@ -8,7 +8,11 @@
                  --drafter is prompt_lookup, else its defaults)
     hf_assisted  `generate(assistant_model=draft)`: HF assisted generation with the same draft model as our
                  draft-model drafter (HF's own draft-length policy; `assisted_settings` records it)
-hf_pld and hf_assisted are greedy only. Every runner maps (prompt ids, max new tokens, seed) to a `TurnResult`; the HF
+    llama_cpp    llama.cpp's plain greedy decoding (llama-cpp-python) of the same prompt ids from a GGUF file (--gguf;
+                 for smollm2 by default the Q4_1 file the builtin model is dequantised from: the same weights), with
+                 as many threads as torch; its own quantised kernels round differently, so it is timed but not held to
+                 greedy identity (inference.bench.stats.OWN_NUMERICS)
+hf_pld, hf_assisted and llama_cpp are greedy only. Every runner maps (prompt ids, max new tokens, seed) to a `TurnResult`; the HF
 runners count the target's forward calls with a forward hook, so τ is measured for them too.
 """
 
@@ -30,8 +34,8 @@ from inference.engine.devices import input_device
 from inference.engine.drafter import NoDrafter
 from models.backbone import eos_token_ids
 
-BASELINES = ("ar", "hf", "hf_pld", "hf_assisted")
-GREEDY_ONLY = ("hf_pld", "hf_assisted")
+BASELINES = ("ar", "hf", "hf_pld", "hf_assisted", "llama_cpp")
+GREEDY_ONLY = ("hf_pld", "hf_assisted", "llama_cpp")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class HFOptions:
     pld_tokens: int  # prompt_lookup_num_tokens: tokens copied per lookup
     pld_ngram: int  # max_matching_ngram_size: longest suffix n-gram searched
     assistant: nn.Module | None  # hf_assisted's draft model, in the target's dtype on its device
+    gguf: str | None = None  # llama_cpp's GGUF file
 
 
 Runner = Callable[[list[int], int, int], TurnResult]
@@ -130,6 +135,27 @@ class HFRunner:
         return TurnResult(tuple(tokens), "", wall, forwards.count, accepted, None)
 
 
+class LlamaCppRunner:
+    """llama.cpp greedy decoding (llama-cpp-python) of the prompt ids, from a GGUF file, on torch's thread count."""
+
+    def __init__(self, gguf: str, eos_ids: Sequence[int], context: int = 4096) -> None:
+        from llama_cpp import Llama  # deferred: an optional package (pip install llama-cpp-python)
+
+        self.llm = Llama(model_path=gguf, n_ctx=context, n_threads=torch.get_num_threads(),
+                         n_threads_batch=torch.get_num_threads(), verbose=False)
+        self.eos_ids = set(eos_ids)
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnResult:
+        start = time.perf_counter()
+        tokens: list[int] = []
+        for token in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(int(token))
+            if token in self.eos_ids or len(tokens) >= max_new_tokens:
+                break
+        wall = time.perf_counter() - start
+        return TurnResult(tuple(tokens), "", wall, len(tokens), (0,) * max(len(tokens) - 1, 0), None)
+
+
 def pld_defaults(drafter: Any) -> tuple[int, int]:
     """(draft tokens, longest n-gram) of the session's prompt_lookup drafter, else of a default one."""
     reference = drafter if isinstance(drafter, PromptLookupDrafter) else PromptLookupDrafter()
@@ -162,6 +188,8 @@ def build_runners(session: Any, names: Sequence[str], sampling: Sampling, hf: HF
             made[name] = EngineRunner(session.engine, sampling)
         elif name == "ar":
             made[name] = EngineRunner(Engine(model, NoDrafter()), sampling)
+        elif name == "llama_cpp":
+            made[name] = LlamaCppRunner(hf.gguf, eos)
         else:
             made[name] = HFRunner(model, eos, pad, sampling, extra[name])
     return made

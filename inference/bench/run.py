@@ -62,7 +62,9 @@ from inference.drafters.options import OPTIONAL
 from inference.drafters.registry import names_draft_model
 from inference.session import (add_model_args, add_sampling_args, check_sampling, encode_messages,
                                open_session)
+from models import smollm2
 from models.draft_model import load_draft_model
+from models.refs import BuiltinRef, model_settings
 
 WARMUP_TOKENS = 32
 PROGRESS_INTERVAL_S = 10.0  # a progress line at least this often when stderr is not a terminal
@@ -113,13 +115,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-id", help="model_id of the main method's answers (default: from the drafter / base)")
     p.add_argument("--baselines", default="ar,hf",
                    help="comma list of ar (our loop, NoDrafter), hf (HF generate), hf_pld (HF prompt lookup "
-                        "decoding), hf_assisted (HF assisted generation with the draft model); the last two are "
-                        "greedy only")
+                        "decoding), hf_assisted (HF assisted generation with the draft model), llama_cpp (llama.cpp's "
+                        "plain decoding of a GGUF file, --gguf); the last three are greedy only")
     p.add_argument("--pld-tokens", type=int, metavar="N",
                    help="hf_pld: prompt_lookup_num_tokens (default: our prompt_lookup drafter's draft length)")
     p.add_argument("--assistant", metavar="PATH",
                    help="hf_assisted: the draft model (causal LM dir, builtin:<name> or draft_model checkpoint) "
                         "when --drafter is not one")
+    p.add_argument("--gguf", metavar="FILE",
+                   help="llama_cpp: the GGUF file (default for --base smollm2: the Q4_1 file the builtin smollm2 is "
+                        "dequantised from, the same weights)")
     p.add_argument("--baseline-only", action="store_true", help="run only the baselines (no drafter)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method before timing")
     p.add_argument("--plot", metavar="DIR", help="write head_accuracy.png, accept_hist.png, bench_summary.png")
@@ -153,6 +158,12 @@ def check_bench_args(args: argparse.Namespace) -> list[str]:
     elif "hf_assisted" in baselines and not names_draft_model(args.drafter):
         raise UsageError(f"--baselines hf_assisted needs a draft model: --drafter {args.drafter or 'none'} is not "
                          f"one; name one with --assistant PATH")
+    if "llama_cpp" in baselines:
+        require("llama_cpp", "--baselines llama_cpp (pip install llama-cpp-python)")
+    elif args.gguf is not None:
+        raise UsageError("--gguf applies to --baselines llama_cpp")
+    if args.gguf is not None and not Path(args.gguf).is_file():
+        raise UsageError(f"--gguf {args.gguf}: no such file")
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.warmup < 0:
@@ -170,7 +181,18 @@ def hf_options(session: Any, args: argparse.Namespace, names: Sequence[str]) -> 
         drafter = session.engine.drafter
         assistant = drafter.model if isinstance(drafter, DraftModelDrafter) else \
             load_draft_model(args.assistant, session.engine.model, session.engine.device)
-    return HFOptions(args.pld_tokens or tokens, ngram, assistant)
+    return HFOptions(args.pld_tokens or tokens, ngram, assistant,
+                     gguf_for(session.base, getattr(args, "gguf", None)) if "llama_cpp" in names else None)
+
+
+def gguf_for(base: str, given: str | None) -> str:
+    """llama_cpp's GGUF file: --gguf's, else the builtin smollm2's own; UsageError for another base without one."""
+    if given is not None:
+        return given
+    ref = model_settings(base).ref
+    if not (isinstance(ref, BuiltinRef) and ref.name == smollm2.NAME):
+        raise UsageError(f"--baselines llama_cpp: --base {base} has no GGUF file of its own; name one with --gguf")
+    return str(smollm2.gguf_file())
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
