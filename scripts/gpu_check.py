@@ -19,7 +19,7 @@ own shapes):
             first divergence re-run in fp32 (fp64 on a CPU) and counted as a near tie or a real mismatch
             (inference.bench.greedy_ties)
     compiled the static cache and compiled step (CUDA graphs) against the eager engine and the memory floor: plain
-            and 7/31-node steps, decoding tokens/s, compile seconds; fp32 identity (scripts/gpu_check_compiled.py)
+            and 8/31-drafted-node steps, decoding tokens/s, compile seconds; fp32 identity (scripts/gpu_check_compiled.py)
     drafters every drafter kind through the public API (`inference.load`) on the device, fp32 with TF32 off, on a small
             random Llama: Medusa heads, EAGLE-3 (static and dynamic tree) and a draft model saved as checkpoints,
             prompt lookup, lookahead and Jacobi by name; a left-padded batch decoded greedily must equal plain greedy

@@ -104,8 +104,8 @@ def compiled_lines(compiled: Any) -> list[str]:
     lines = [f"compiled step (static cache, CUDA graphs) vs eager; memory floor {compiled['floor_ms']:.2f} ms:"]
     for mode in ("eager", "compiled"):
         ms = ", ".join(f"{k} drafted {v:.2f}" for k, v in steps[mode].items())
-        lines.append(f"  {mode:9} ms {ms}; plain {compiled[f'{mode}_plain_over_floor']:.2f}x the floor, 8 nodes "
-                     f"{compiled[f'{mode}_8_nodes_over_plain']:.2f}x plain")
+        lines.append(f"  {mode:9} ms {ms}; plain {compiled[f'{mode}_plain_over_floor']:.2f}x the floor, 8 drafted "
+                     f"{compiled[f'{mode}_8_drafted_over_plain']:.2f}x plain")
     for name, row in compiled["decode"].items():
         lines.append(f"  {name:24}{row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  "
                      f"{row['speedup_over_eager_plain']:.2f}x eager plain  compile {row['compile_s']:.1f} s  "

@@ -64,7 +64,8 @@ def test_bucket_masks_hide_the_padding_and_match_the_growing_cache_on_real_nodes
 
 
 def test_buckets_and_capacities():
-    assert [static.bucket(k) for k in (1, 2, 3, 5, 9, 33, 64, 65, 100)] == [1, 2, 4, 8, 16, 64, 64, 65, 100]
+    assert [static.bucket(k) for k in (1, 2, 3, 5, 9, 10, 33, 64, 65, 100)] == [1, 2, 3, 6, 9, 12, 48, 64, 65, 100]
+    assert all(static.bucket(k) <= 1.5 * k for k in range(1, 65))
     assert static.capacity_for(1) == static.CAPACITY_STEP and static.capacity_for(static.CAPACITY_STEP + 1) == \
         2 * static.CAPACITY_STEP
 
