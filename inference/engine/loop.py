@@ -23,7 +23,7 @@ where they come back (`verify_device`) and the resulting tokens are moved to the
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -356,7 +356,8 @@ def _generate(
     clock = _Clock(sync=cuda_sync(model) if config.sync_phases else None)
     start = time.perf_counter()
     layers = feature_layers(drafter)
-    step = target_step(model, config.compile)
+    with clock("compile") if config.compile else nullcontext():  # the first torch.compile imports inductor (~1 s)
+        step = target_step(model, config.compile)
     with clock("prefill"):
         state = prefill(model, input_ids, pad_mask, config, drafter.needs_hidden, generator, layers)
     batch = input_ids.shape[0]
