@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # public data; tests skip when absent
+
+WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
@@ -108,3 +114,29 @@ def pretend_installed(monkeypatch, package: str, location: Path | None) -> None:
         return spec
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def random_chats(count: int, user: int | Callable[[int], int] = 5, reply: int | Callable[[int], int] = 12,
+                 seed: int = 0) -> list[list[dict[str, str]]]:
+    """`count` two-turn chats of random WORDS, the same for the same arguments: chat i's user turn has `user` words
+    and its reply `reply` (a number, or a function of i)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words(n: int | Callable[[int], int], i: int) -> str:
+        k = n(i) if callable(n) else n
+        return " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (k,), generator=g).tolist())
+
+    chats = []
+    for i in range(count):
+        question = words(user, i)
+        chats.append([{"role": "user", "content": question}, {"role": "assistant", "content": words(reply, i)}])
+    return chats
+
+
+def write_sharegpt(path: Path, chats: list[list[dict[str, str]]], ids: bool = True) -> Path:
+    """`chats` as a ShareGPT-format JSON file (human / gpt turns; an "id" per record unless ids=False)."""
+    records = [{**({"id": str(i)} if ids else {}),
+                "conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                                  for m in chat]} for i, chat in enumerate(chats)]
+    path.write_text(json.dumps(records))
+    return path

@@ -2,7 +2,6 @@
 tests/test_eagle3_teacher.py: a tiny saved target, a chat data file, `python -m train features` run on them, the
 module's fp32 cache with k = V soft labels, and a cache's shards read back."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 from tests.model_support import save_tiny_model
+from tests.data_support import random_chats, write_sharegpt
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +24,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": pick(3 + i % 5)},
-                                                 {"from": "gpt", "value": pick(6 + i % 9)}]} for i in range(32)]
-    path = tmp_path_factory.mktemp("data") / "chats.json"
-    path.write_text(json.dumps(records))
-    return path
+    chats = random_chats(32, user=lambda i: 3 + i % 5, reply=lambda i: 6 + i % 9)
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "chats.json", chats)
 
 
 def run(cmd: list[str], expect_ok: bool = True) -> subprocess.CompletedProcess:

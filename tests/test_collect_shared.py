@@ -19,9 +19,9 @@ from inference.collect.jacobi_trajectories import main as collect_main, placemen
 from inference.collect.self_distill import DistillStats
 from inference.collect.shared import IdScan, RankFiles, World, claim, done_ids, merge, share, wait_until_done
 from tests.model_support import save_tiny_model
+from tests.data_support import random_chats, write_sharegpt
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 RECORD_A = {"id": "a", "blocks": [[1, 2]]}
 RECORD_B = {"id": "b", "blocks": [[3]]}
 
@@ -147,13 +147,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": pick(5)}, {"from": "gpt", "value": pick(9)}]}
-               for i in range(24)]
-    path = tmp_path_factory.mktemp("data") / "chats.json"
-    path.write_text(json.dumps(records))
-    return path
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "chats.json", random_chats(24, reply=9))
 
 
 def test_the_trainer_answers_on_its_training_device(model_dir, chats, tmp_path, monkeypatch):

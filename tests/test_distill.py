@@ -17,9 +17,9 @@ from data.chat import IGNORE_INDEX
 from tests.conftest import build_tiny_lm
 from tests.model_support import save_tiny_model
 from train.distill import DIVERGENCES, acceptance, divergence, sample_responses
+from tests.data_support import random_chats, write_sharegpt
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 
 
 def naive(p_logits: list[float], q_logits: list[float], kind: str, beta: float, tau: float) -> float:
@@ -93,13 +93,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sharegpt_file(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": pick(5)}, {"from": "gpt", "value": pick(12)}]}
-               for i in range(24)]
-    path = tmp_path_factory.mktemp("data") / "chats.json"
-    path.write_text(json.dumps(records))
-    return path
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "chats.json", random_chats(24))
 
 
 def run_distill(target: Path, draft: Path, data: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:

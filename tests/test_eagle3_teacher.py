@@ -4,7 +4,6 @@ online forward's (and to the target's own softmax over the draft ids), and a bad
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from hydra import compose, initialize_config_module
 from data.features import FeatureCollator, FeatureDataset
 from models.loading import load_target
 from tests.conftest import build_tiny_lm
-from tests.features_support import WORDS, extract
+from tests.data_support import random_chats, write_sharegpt
+from tests.features_support import extract
 from tests.model_support import save_tiny_model
 from tests.test_eagle3 import random_draft
 from train.cli import UsageError, parse
@@ -82,12 +82,7 @@ def cache_run(tmp_path_factory):
     labels (method.topk=0: the full teacher reads the stored last hidden state)."""
     root = tmp_path_factory.mktemp("teacher")
     model_dir = save_tiny_model(root / "llama", initializer_range=0.2)
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": pick(3 + i % 4)},
-                                                 {"from": "gpt", "value": pick(5 + i % 7)}]} for i in range(8)]
-    data = root / "chats.json"
-    data.write_text(json.dumps(records))
+    data = write_sharegpt(root / "chats.json", random_chats(8, user=lambda i: 3 + i % 4, reply=lambda i: 5 + i % 7))
     cache = root / "cache"
     extract(model_dir, data, cache, "method.topk=0", "method.layers=[1,2]")
     return model_dir, cache

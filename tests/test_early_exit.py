@@ -25,7 +25,8 @@ from models.early_exit import build_early_exit_draft, ensure_early_exit
 from models.loading import ModelLoadError
 from models.refs import BuiltinRef, ConfRef, EarlyExitRef, LocalRef, locate, model_settings, parse_model
 from tests.model_support import save_tiny_model
-from tests.test_distill import ROOT, WORDS
+from tests.data_support import random_chats
+from tests.test_distill import ROOT
 from tests.test_draft_model import left_pad, plain_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -211,10 +212,9 @@ def test_cli_drafter_spelling_and_its_one_line_error(sources, capsys):
 
 @pytest.fixture(scope="module")
 def alpaca_file(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
     path = tmp_path_factory.mktemp("data") / "alpaca.json"
-    path.write_text(json.dumps([{"instruction": pick(5), "input": "", "output": pick(12)} for _ in range(24)]))
+    path.write_text(json.dumps([{"instruction": q["content"], "input": "", "output": a["content"]}
+                                for q, a in random_chats(24)]))
     return path
 
 

@@ -22,19 +22,14 @@ from tests.model_support import save_tiny_model
 from train.config import register_configs
 from train.resume import checkpoint_problem, resolve_resume
 from train.task import run
+from tests.data_support import random_chats, write_sharegpt
 
-WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("resume")
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
-    records = [{"conversations": [{"from": "human", "value": pick(5)}, {"from": "gpt", "value": pick(12)}]}
-               for _ in range(10)]
-    (root / "chats.json").write_text(json.dumps(records))
-    return save_tiny_model(root / "model"), root / "chats.json"
+    return save_tiny_model(root / "model"), write_sharegpt(root / "chats.json", random_chats(10), ids=False)
 
 
 METHODS = {"medusa1": ("method.num_heads=2",), "eagle3": ("method.ttt_steps=2", "method.draft_vocab=40")}

@@ -14,20 +14,16 @@ from data.jacobi import read_records
 from inference import Engine, NoDrafter, load
 from inference.collect.jacobi_trajectories import main as collect_main
 from tests.model_support import save_tiny_model
+from tests.data_support import random_chats, write_sharegpt
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cllm")
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
-    chats = [{"id": str(i), "conversations": [{"from": "human", "value": pick(5)}, {"from": "gpt", "value": pick(12)}]}
-             for i in range(16)]
-    (root / "chats.json").write_text(json.dumps(chats))
-    return {"model": save_tiny_model(root / "model"), "chats": root / "chats.json", "root": root}
+    chats = write_sharegpt(root / "chats.json", random_chats(16))
+    return {"model": save_tiny_model(root / "model"), "chats": chats, "root": root}
 
 
 def collect(setup, output: Path, *extra: str) -> int:

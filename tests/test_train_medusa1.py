@@ -11,9 +11,9 @@ import torch
 
 from models.checkpoint import head_vocabulary, load_drafter
 from tests.model_support import save_tiny_model
+from tests.data_support import random_chats, write_sharegpt
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +29,7 @@ def nf4_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sharegpt_file(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(0)
-    pick = lambda n: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())  # noqa: E731
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": pick(5)}, {"from": "gpt", "value": pick(12)}]}
-               for i in range(40)]
-    path = tmp_path_factory.mktemp("data") / "chats.json"
-    path.write_text(json.dumps(records))
-    return path
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "chats.json", random_chats(40))
 
 
 # `python -m train` with bitsandbytes' dequantise-then-matmul CPU path forced (see tests/test_nf4_cpu.py).

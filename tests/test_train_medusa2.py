@@ -20,9 +20,9 @@ from models.loading import load_target, load_tokenizer
 from models.medusa import MedusaConfig, MedusaHeads
 from tests.medusa2_support import medusa2_config
 from tests.model_support import save_tiny_model
+from tests.data_support import random_chats
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world have a nice day what is two plus three".split()
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,7 @@ def nf4_model_dir(tmp_path_factory) -> Path:
 
 
 def chats(n: int, seed: int = 0) -> list[list[dict]]:
-    g = torch.Generator().manual_seed(seed)
-    pick = lambda k: " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (k,), generator=g).tolist())  # noqa: E731
-    return [[{"role": "user", "content": pick(5)}, {"role": "assistant", "content": pick(12)}] for _ in range(n)]
+    return random_chats(n, seed=seed)
 
 
 @pytest.fixture(scope="module")
