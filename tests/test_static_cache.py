@@ -84,12 +84,14 @@ def test_a_static_layer_grows_keeping_its_entries():
     assert torch.equal(layer.keys[:, :, 3:6], keys)
 
 
-def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(tiny_lm_factory, single_thread):
-    """One compile per shape: a second generation of the same shapes compiles nothing."""
+@pytest.mark.parametrize("name", ["prompt_lookup", "eagle3"])
+def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(tiny_lm_factory, name, single_thread):
+    """One compile per shape: a second generation of the same shapes compiles nothing. EAGLE-3 reads the target's
+    hidden states and fused layers out of the compiled forward."""
     torch._dynamo.reset()
     model = tiny_lm_factory("llama")
     ids, mask = left_pad(repetitive_prompts(7, 2))
-    drafter = PromptLookupDrafter(num_draft=3)
+    drafter = drafters(model)[name]
     eager = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16), attention_mask=mask)
     first = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16, compile=True), attention_mask=mask)
     again = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16, compile=True), attention_mask=mask)
