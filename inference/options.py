@@ -71,6 +71,9 @@ def check_target(target: TargetOptions, naming: Any) -> None:
     check(target, naming.arg)
     if target.device_map is not None and target.tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
+    if target.compile and (target.device_map is not None or target.tp_plan is not None):
+        raise ValueError(f"{naming.bare('compile')} runs on one device: drop it with {naming.bare('device_map')} or "
+                         f"{naming.bare('tp_plan')} (a CUDA graph holds one device's kernels)")
 
 
 def add_serving_flags(parser: argparse.ArgumentParser) -> None:

@@ -186,6 +186,8 @@ def test_load_refuses_disk_without_offload_folder_and_device_map_with_tp_plan(as
         load_target(str(assets["base"]), dtype="fp32", device_map=ON_DISK)
     with pytest.raises(ValueError, match="device_map and tp_plan are exclusive"):
         load(base=str(assets["base"]), dtype="fp32", device_map="auto", tp_plan="auto")
+    with pytest.raises(ValueError, match="compile runs on one device: drop it with device_map or tp_plan"):
+        load(base=str(assets["base"]), dtype="fp32", device_map="auto", compile=True)
 
 
 def test_cli_device_map_file_decodes_like_one_device(assets, tmp_path, capsys):
