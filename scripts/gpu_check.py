@@ -28,7 +28,8 @@ own shapes):
             new tokens, greedy, fp32), from a bundle made by --pack-tiny; skipped, with the reason, without one
     recipes the real commands as subprocesses on a random target of --recipe-shape saved first (Llama-3.1-8B's on a
             GPU): `python -m train medusa1` and `python -m train eagle3` with self-distillation on the bundled corpus,
-            then their exports (`python -m models.convert vllm-export` / `eagle3-export`); per command wall time,
+            then their exports (`python -m models.convert vllm-export` / `eagle3-export`), and CLLM's trajectory
+            collection and LoRA training (scripts/collect_jacobi.py, `python -m train cllm`); per command wall time,
             tokens/s and peak memory beside train/memory_model.py's prediction (scripts/gpu_check_recipes.py)
 A section that fails records its error and the run goes on; the exit status is then 1. Bad arguments end with one line
 and exit status 2 before any model is built. --small shrinks every shape and count (a smoke test, on CPU or GPU).

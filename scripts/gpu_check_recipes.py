@@ -4,6 +4,8 @@
     python -m models.convert vllm-export <medusa1 run> <export>
     python -m train eagle3 +model=tiny model.path=<target> data=default data.self_distill=true ...    then
     python -m models.convert eagle3-export <eagle3 run> <export>
+    python scripts/collect_jacobi.py --model <target> --data default ... --output traj.jsonl            then
+    python -m train cllm +model=tiny model.path=<target> data=default method.trajectories=traj.jsonl ...  (LoRA)
 
 The target is a random Llama of the recipe shape's sizes (`RECIPE_SHAPES`: Llama-3.1-8B's on a GPU, a 1.7B Llama on
 a CPU, a tiny one with --small), saved with a byte-level BPE tokenizer trained on a slice of the built-in corpus
@@ -13,7 +15,7 @@ the built-in model's chat defaults; model.path points at the saved target, so no
 data=default is the bundled corpus, whose prompts the target answers itself (self-distillation) before training.
 Each command runs under gpu_check_peak.py, which records the child's peak memory (torch.cuda.max_memory_allocated on
 a GPU; peak resident set on a CPU, the interpreter and libraries included). Per command: wall time, the trainer's
-tokens/s, the peak, and train/memory_model.py's prediction at the recipe's batch for rows of the mean length the
+tokens/s (the collector's: answer tokens / wall time, model load included), the peak, and train/memory_model.py's prediction at the recipe's batch for rows of the mean length the
 trainer saw (its tokens / steps / batch), and at data.max_length (the bound: no row is longer). The model counts
 every token as trained; self-distilled rows train the answer only.
 """
@@ -106,6 +108,45 @@ def train_command(method: str, shape: RecipeShape, target: Path, out: Path, on_g
             "eval.greedy_new_tokens=8", "eval.max_batches=1", "logger=none", f"output_dir={out}"]
 
 
+def collect_command(shape: RecipeShape, target: Path, out: Path, on_gpu: bool) -> list[str]:
+    """Jacobi trajectories of the recipe's prompts, blocks of 16, on the device (bf16 on a GPU)."""
+    return ["scripts/collect_jacobi.py", "--model", str(target), "--data", "default", "--output", str(out),
+            "--block-size", "16", "--max-new-tokens", str(shape.new_tokens), "--max-prompts", str(shape.prompts),
+            "--batch-size", "8", "--device", "cuda" if on_gpu else "cpu", "--dtype", "bf16"]
+
+
+def cllm_command(shape: RecipeShape, target: Path, trajectories: Path, out: Path, on_gpu: bool) -> list[str]:
+    """CLLM with LoRA (the 7-8B default) on those trajectories, packed rows."""
+    return ["-m", "train", "cllm", "+model=tiny", f"model.path={target}", "model.dtype=bf16", "data=default",
+            f"method.trajectories={trajectories}", "method.backbone=lora", "method.packing=true",
+            f"data.max_length={shape.max_length}", "data.validation_fraction=0.1", f"training.max_steps={shape.steps}",
+            f"training.per_device_train_batch_size={shape.batch}", f"training.bf16={str(on_gpu).lower()}",
+            "training.logging_steps=1", f"training.save_steps={shape.steps}", "eval.greedy_prompts=2",
+            "eval.greedy_new_tokens=8", "eval.max_batches=1", "logger=none", f"output_dir={out}"]
+
+
+def cllm_figures(shape: RecipeShape, target: Path, folder: Path, logs: Path, on_gpu: bool, timeout: float,
+                 say: Callable[[str], None]) -> dict[str, dict]:
+    """The collector and the CLLM trainer, each with its figures (module docstring)."""
+    trajectories = folder / "traj.jsonl"
+    say("recipes: python scripts/collect_jacobi.py")
+    collect = run(collect_command(shape, target, trajectories, on_gpu), folder / "collect.peak.json",
+                  logs / "collect_jacobi.log", timeout)
+    records = [json.loads(line) for line in trajectories.read_text().splitlines()]
+    answered = sum(sum(len(b["states"][-1]) for b in r["blocks"]) for r in records)
+    collect.update(trajectories=len(records), answer_tokens=answered, tokens_per_s=answered / collect["wall_s"])
+    say("recipes: python -m train cllm")
+    run_dir = folder / "cllm"
+    train = run(cllm_command(shape, target, trajectories, run_dir, on_gpu), folder / "cllm.peak.json",
+                logs / "cllm.log", timeout)
+    saved = json.loads((run_dir / "config.json").read_text())["training"]["throughput"]
+    mean_row = round(saved["tokens"] / max(saved["steps"] * shape.batch, 1))
+    train.update(tokens_per_s=saved["tokens_per_second"], train_s=saved["seconds"], steps=saved["steps"],
+                 predicted=predicted_peak("cllm", shape, mean_row, on_gpu),
+                 bound=predicted_peak("cllm", shape, shape.max_length, on_gpu))
+    return {"collect_jacobi": collect, "cllm": train}
+
+
 def run(args: list[str], peak_file: Path, log: Path, timeout: float) -> dict:
     """`python <args>` under gpu_check_peak.py -> wall seconds and the child's peak; RuntimeError with its log's tail
     when it fails."""
@@ -161,4 +202,5 @@ def recipes_section(shape_name: str, folder: Path, out: Path, device: torch.devi
         result["commands"][export] = run(["-m", "models.convert", export, str(run_dir), str(exported)],
                                          folder / f"{export}.peak.json", logs / f"{export}.log", timeout)
         result["commands"][export]["files"] = sorted(p.name for p in exported.iterdir())
+    result["commands"].update(cllm_figures(shape, target, folder, logs, on_gpu, timeout, say))
     return result

@@ -130,6 +130,8 @@ def recipe_lines(recipes: Any) -> list[str]:
             p, bound = row["predicted"], row["bound"]
             line += (f"   {row['tokens_per_s']:9.0f} tok/s   predicted {p['peak_bytes'] / 2**30:.2f} GiB at "
                      f"T={p['seq']} (the {p['phase']}), {bound['peak_bytes'] / 2**30:.2f} GiB at T={bound['seq']}")
+        elif "trajectories" in row:
+            line += f"   {row['tokens_per_s']:9.0f} answer tok/s ({row['trajectories']} trajectories)"
         lines.append(line)
     return lines
 

@@ -135,11 +135,15 @@ def test_recipes_run_the_real_commands_and_report_their_figures(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     r = json.loads((out / "gpu_check.json").read_text())["recipes"]
     commands = r["commands"]
-    assert list(commands) == ["medusa1", "vllm-export", "eagle3", "eagle3-export"] and r["shape"] == "small"
+    assert list(commands) == ["medusa1", "vllm-export", "eagle3", "eagle3-export", "collect_jacobi", "cllm"]
+    assert r["shape"] == "small"
     for name, row in commands.items():
         assert positive(row["wall_s"]) and row["peak_rss_bytes"] > 0 and row["cuda_peak_bytes"] is None
-        assert row["command"].startswith("python -m " + ("train " + name if "export" not in name else "models.convert"))
-    for name in ("medusa1", "eagle3"):
+        assert row["command"].startswith("python scripts/collect_jacobi.py" if name == "collect_jacobi" else
+                                         "python -m " + ("train " + name if "export" not in name else "models.convert"))
+    collect = commands["collect_jacobi"]
+    assert collect["trajectories"] > 0 and collect["answer_tokens"] > 0 and positive(collect["tokens_per_s"])
+    for name in ("medusa1", "eagle3", "cllm"):
         row = commands[name]
         assert positive(row["tokens_per_s"]) and row["steps"] == r["plan"]["steps"]
         assert 0 < row["predicted"]["peak_bytes"] <= row["bound"]["peak_bytes"]
@@ -148,6 +152,7 @@ def test_recipes_run_the_real_commands_and_report_their_figures(tmp_path):
     assert {"config.json", "model.safetensors"} <= set(commands["vllm-export"]["files"])
     report = (out / "gpu_check.txt").read_text()
     assert "recipes on a random small" in report and "eagle3-export" in report and "FAILED" not in report
+    assert "answer tok/s" in report
 
 
 @pytest.mark.parametrize("case", ["cuda", "out_parent", "bundle", "sections", "recipe_shape"])
