@@ -59,7 +59,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, drafter: Drafter, drafter_config: dict[str, Any] | None = None,
                  cpu_kernel: bool = True, tokenizer: Any = None, chat_template: str | None = None,
                  slot_cache: bool = True, compile: bool = False, static_cache: bool = False,
-                 sync_phases: bool = False) -> None:
+                 sync_phases: bool = False, cache_slots: int | None = None) -> None:
         self.model = model
         self.drafter = drafter
         self.drafter_config = drafter_config
@@ -70,6 +70,7 @@ class Engine:
         self.compile = compile  # the target's decoding step compiled (inference.engine.compiled)
         self.static_cache = static_cache  # a fixed-capacity cache, fixed step shapes (inference.engine.static)
         self.sync_phases = sync_phases  # right per-phase times on CUDA, for benchmarks (DecodeConfig.sync_phases)
+        self.cache_slots = cache_slots  # the static cache's fixed capacity (DecodeConfig.cache_slots)
 
     @property
     def device(self) -> torch.device:
@@ -211,6 +212,7 @@ class Engine:
             static_cache=self.static_cache,
             compile=self.compile,
             sync_phases=self.sync_phases,
+            cache_slots=self.cache_slots,
         )
         generator = None
         if seed is not None:
@@ -313,8 +315,13 @@ def serve(drafter: str | Path | DrafterRequest | None, base: str | None, target:
     if target.quantization in (None, "none") and target.tp_plan is None and target.device_map is None:
         model.to(target.device)  # quantization, tp_plan and device_map place the weights themselves
     engine = attach(request, model, options, *text)
-    engine.compile, engine.static_cache = target.compile, target.static_cache
+    step_options(engine, target)
     return engine
+
+
+def step_options(engine: Engine, target: TargetOptions) -> None:
+    """The target options that shape the decoding step (a compiled step, a static cache), onto `engine`."""
+    engine.compile, engine.static_cache, engine.cache_slots = target.compile, target.static_cache, target.cache_slots
 
 
 def attach(request: DrafterRequest, model: torch.nn.Module, options: LoadOptions | None = None,

@@ -26,6 +26,8 @@ from data.errors import UsageError
 from inference.bench.run import add_bench_args
 from inference.bench.tree_fit import add_build_tree_args
 from inference.engine.context import check_context
+from inference.engine.loop import TREE_SLOTS
+from inference.engine.static import check_slots
 from inference.session import (EXIT_USAGE, TRACEBACK_ENV, Parser, add_model_args, add_sampling_args, check_sampling,
                                encode_messages, one_line, open_session)
 from inference.textstream import TextStream
@@ -102,6 +104,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if not prompt_ids:
         raise UsageError("the prompt encodes to no tokens")
     check_context(session.engine.model.config, len(prompt_ids), args.max_new_tokens, "--max-new-tokens", session.base)
+    if session.engine.compile or session.engine.static_cache:
+        check_slots(session.engine.cache_slots, len(prompt_ids), args.max_new_tokens, TREE_SLOTS, "--cache-slots ")
     emit = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     stream = TextStream(session.tokenizer, args.stop, emit)
     out = session.engine.generate(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from inference.drafters.options import LoadOptions
-from inference.engine.options import add_flags, check, keywords, option, options_of
+from inference.engine.options import add_flags, check, keywords, option, options_of, whole
 from models.builtin import DTYPES, QUANTIZATIONS
 
 
@@ -53,6 +53,10 @@ class TargetOptions:
                     "each new shape (batch, tree-size bucket, cache capacity) compiles once, timed apart")
     static_cache: bool = option(
         False, help="a fixed-capacity KV cache and trees run in size buckets (fixed step shapes; --compile implies it)")
+    cache_slots: int | None = option(
+        metavar="N", type=int, valid=whole(128), must="a whole number >= 128",
+        help="the static cache's capacity for every request (default: each request's own, rounded up to 256 slots): "
+             "one compiled shape per tree bucket; a request whose prompt + max_new_tokens + 64 exceeds it is refused")
     trust_remote_code: bool = option(False, cli=False, help="run the model's own code from its folder or the hub")
     tokenizer: str | Path | None = option(
         help="tokenizer path (default: the checkpoint's own, unless the base is overridden, else the base model's)")
@@ -71,6 +75,9 @@ def check_target(target: TargetOptions, naming: Any) -> None:
     check(target, naming.arg)
     if target.device_map is not None and target.tp_plan is not None:
         raise ValueError("load: device_map and tp_plan are exclusive (pipeline split vs tensor parallel)")
+    if target.cache_slots is not None and not (target.compile or target.static_cache):
+        raise ValueError(f"{naming.bare('cache_slots')} sizes the static cache: add {naming.bare('compile')} or "
+                         f"{naming.bare('static_cache')}")
     if target.compile and (target.device_map is not None or target.tp_plan is not None):
         raise ValueError(f"{naming.bare('compile')} runs on one device: drop it with {naming.bare('device_map')} or "
                          f"{naming.bare('tp_plan')} (a CUDA graph holds one device's kernels)")

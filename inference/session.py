@@ -16,7 +16,7 @@ import torch
 from data.chat import encode_prompt
 from data.errors import UsageError
 from data.templates import TEMPLATES, ChatTemplateError
-from inference.api import attach, config_before_loading, load_text_side, serve, trained_setting
+from inference.api import attach, config_before_loading, load_text_side, serve, step_options, trained_setting
 from inference.drafters.options import LoadOptions
 from inference.drafters.registry import DrafterRequest, named_spec, resolve, spec_names
 from inference.drafters.spec import DrafterSpec
@@ -149,7 +149,7 @@ def open_session(args: argparse.Namespace, share: Session | None = None) -> Sess
         text = load_text_side(request, settings, base_overridden=args.base is not None,
                               tokenizer=target_options.tokenizer, chat_template=target_options.chat_template)
         engine = attach(request, share.engine.model, options, *text)
-        engine.compile, engine.static_cache = target_options.compile, target_options.static_cache
+        step_options(engine, target_options)
     else:
         engine = serve(request, args.base, target_options, options, CLI)
     engine.cpu_kernel = not getattr(args, "no_cpu_kernel", False)

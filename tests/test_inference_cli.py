@@ -198,7 +198,8 @@ def test_build_tree_round_trip(assets, capsys, tmp_path):
                                   "datastore_smoothing_alone", "datastore_request_weight",
                                   "datastore_request_weight_alone", "min_expected", "min_expected_alone",
                                   "node_cost", "node_cost_with_min_expected", "lookup_budget",
-                                  "lookup_budget_alone", "lookup_budget_build_tree"])
+                                  "lookup_budget_alone", "lookup_budget_build_tree", "cache_slots_alone",
+                                  "cache_slots_small", "cache_slots_request"])
 def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case):
     bad_tree = tmp_path / "bad.json"
     bad_tree.write_text(json.dumps({"choices": [[0], [0, 0, 0]]}))
@@ -267,6 +268,13 @@ def test_bad_input_is_one_line_and_writes_nothing(assets, capsys, tmp_path, case
                                 "--lookup-budget needs --lookup and --datastore"),
         "lookup_budget_build_tree": (("build-tree", "--drafter", assets["ckpt"], "--lookup-budget", "8"),
                                      "--lookup-budget does not apply to build-tree"),
+        "cache_slots_alone": ((*gen, "--prompt", "x", "--cache-slots", "256"),
+                              "--cache-slots sizes the static cache: add --compile or --static-cache"),
+        "cache_slots_small": ((*gen, "--prompt", "x", "--static-cache", "--cache-slots", "64"),
+                              "--cache-slots must be a whole number >= 128, got 64"),
+        "cache_slots_request": (("generate", "--drafter", assets["ckpt"], "--max-new-tokens", "100", "--prompt", "x",
+                                 "--static-cache", "--cache-slots", "128"),
+                                "--cache-slots 128: 8 prompt token(s) + max_new_tokens=100 + 64 tree slots need 172"),
     }[case]
     try:
         code = main([str(a) for a in (*argv, *(() if argv[0] == "generate" else ("--out", tmp_path / "out")))])

@@ -119,3 +119,15 @@ def test_a_kernel_linear_compiles_into_one_graph_with_the_kernel_in_it(dtype, mo
     with torch.inference_mode(), cpu_linear.fast_linears(layer):
         eager = layer(x)
         assert torch.equal(compiled(x), eager)
+
+
+def test_a_request_past_a_fixed_capacity_is_refused_in_one_line(tiny_lm_factory):
+    model = tiny_lm_factory("llama")
+    ids = torch.randint(3, 100, (1, 40))
+    config = DecodeConfig(max_new_tokens=100, static_cache=True, cache_slots=200)
+    with pytest.raises(ValueError, match=r"^cache_slots=200: 40 prompt token\(s\) \+ max_new_tokens=100 \+ 64 tree "
+                                         r"slots need 204; at most 96 new tokens fit$"):
+        generate(model, ids, None, config)
+    fits = generate(model, ids, None, DecodeConfig(max_new_tokens=96, static_cache=True, cache_slots=200))
+    plain = generate(model, ids, None, DecodeConfig(max_new_tokens=96))
+    assert fits.sequences == plain.sequences

@@ -68,6 +68,7 @@ class DecodeConfig:
     # (inference.engine.static)
     compile: bool = False  # the target's decode step through torch.compile (inference.engine.compiled); implies
     # static_cache
+    cache_slots: int | None = None  # the static cache's capacity (None: each request's own, inference.engine.static)
     sync_phases: bool = False  # on CUDA, wait for the device at both ends of every timed phase: right per-phase
     # times (benchmarks) for the overlap of one phase's kernels with the next one's launches; off, only totals are right
 
@@ -177,7 +178,7 @@ def prefill(
     dtype = model.get_input_embeddings().weight.dtype
     mask, positions = prefill_inputs(pad_mask, dtype)
     if config.static_cache or config.compile:
-        slots = static.capacity_for(input_ids.shape[1] + config.max_new_tokens + TREE_SLOTS)
+        slots = config.cache_slots or static.capacity_for(input_ids.shape[1] + config.max_new_tokens + TREE_SLOTS)
         cache, mask = static.new_static_cache(slots), static.prefill_mask(pad_mask, dtype, slots)
     else:
         cache = new_cache(reserve=config.max_new_tokens + TREE_SLOTS, slots=config.slot_cache)
@@ -321,6 +322,8 @@ def generate(
         raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
     check_window(model, input_ids.shape[1] + config.max_new_tokens)
     check_context(model.config, int(pad_mask.sum(-1).max()), config.max_new_tokens)
+    if config.static_cache or config.compile:
+        static.check_slots(config.cache_slots, input_ids.shape[1], config.max_new_tokens, TREE_SLOTS)
     modules = drafter_modules(drafter)
     with fast_linears(model, *modules, enabled=config.cpu_kernel), \
             gqa_attention(model, *modules, enabled=config.gqa_attention):

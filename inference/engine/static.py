@@ -10,10 +10,12 @@ shapes: a compiled graph would recompile at every token, and CUDA graphs could n
   new keys/values written at the layer's own device-side length (`cumulative_length`), every forward attending over
   all C slots. Slots past the committed ones hold stale or zero entries; the mask hides them. C is the prompt plus
   max_new_tokens plus TREE_SLOTS, rounded up to a multiple of CAPACITY_STEP so that requests of similar lengths share
-  a shape. A tree that would not fit grows the buffers (`ensure_capacity`: one copy, a new shape).
+  a shape; `cache_slots` fixes C for every request instead (one compiled shape per bucket and batch size; a request
+  that does not fit is refused before decoding, `check_slots`). A batch whose rows accept very different numbers of
+  drafts leaves holes and can still outgrow C: the buffers then grow (`ensure_capacity`: one copy, a new shape).
 - **Trees run in buckets**: a tree of K nodes runs as W = bucket(K) nodes (BUCKETS, at most 1.5 K; trees past 64
-  nodes as they are). The W - K padding nodes repeat the root's token at the root's position, see the committed slots and
-  themselves, and nothing sees them: they change no real node's output. Logits, hidden states and features are cut
+  nodes as they are). The W - K padding nodes repeat the root's token at the root's position, see the committed
+  slots and themselves, and nothing sees them: they change no real node's output. Logits, hidden states and features are cut
   back to the K real nodes, and cache surgery (`keep_nodes`) drops the padding with the rejected nodes.
 - **Masks** are [B, 1, W, C] additive masks built from the host-side `valid` [B, S] (the loop's bookkeeping, as for
   the growing cache): data, not shape.
@@ -44,6 +46,17 @@ CAPACITY_STEP = 256  # cache capacities are multiples of this: prompts of simila
 def bucket(nodes: int) -> int:
     """The nodes a step of `nodes` tree nodes runs as: the smallest bucket that holds it (itself past the last)."""
     return next((b for b in BUCKETS if b >= nodes), nodes)
+
+
+def check_slots(slots: int | None, prompt: int, max_new_tokens: int, tree_slots: int, name: str = "cache_slots="
+                ) -> None:
+    """Refuse, in one line naming cache_slots as `name` spells it, a request that does not fit a fixed capacity: the
+    prompt (padded batch width), max_new_tokens and a tree's slots."""
+    need = prompt + max_new_tokens + tree_slots
+    if slots is not None and need > slots:
+        raise ValueError(f"{name}{slots}: {prompt} prompt token(s) + max_new_tokens={max_new_tokens} + "
+                         f"{tree_slots} tree slots need {need}; at most {max(slots - prompt - tree_slots, 0)} new "
+                         f"tokens fit")
 
 
 def capacity_for(length: int) -> int:
