@@ -7,17 +7,24 @@ import pytest
 import torch
 from torch import nn
 
-from inference.bench.engine_check import lm_head_eagle3
+from inference.bench.engine_check import lm_head_eagle3, lm_head_heads
+from inference.drafters.draft_model import DraftModelDrafter
 from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
 from inference.drafters.jacobi import JacobiDrafter
+from inference.drafters.lookahead import LookaheadDrafter
+from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.engine import static
 from inference.engine.cache import tree_inputs
 from inference.engine.loop import DecodeConfig, generate
-from inference.engine.tree import build_tree
+from inference.engine.tree import build_tree, load_tree
+from inference.engine.verify import SamplingParams
 from inference.kernels import cpu_linear
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
+
+
+KINDS = ["plain", "prompt_lookup", "jacobi", "lookahead", "medusa", "eagle3", "draft_model"]
 
 
 def drafters(model: nn.Module) -> dict[str, object]:
@@ -26,21 +33,29 @@ def drafters(model: nn.Module) -> dict[str, object]:
         "plain": None,
         "prompt_lookup": PromptLookupDrafter(num_draft=5),  # chains of changing length: several buckets
         "jacobi": JacobiDrafter(),
+        "lookahead": LookaheadDrafter(),
+        "medusa": MedusaDrafter(lm_head_heads(model, 3), load_tree("default", num_heads=3, topk=10)),  # 16 nodes
         "eagle3": Eagle3Drafter(lm_head_eagle3(model), tree, model.get_input_embeddings()),  # trees, features, hidden
+        "draft_model": DraftModelDrafter(model, 3),  # its own (growing) cache beside the target's static one
     }
 
 
-@pytest.mark.parametrize("name", ["plain", "prompt_lookup", "jacobi", "eagle3"])
-def test_static_cache_answers_equal_the_growing_cache(tiny_lm, name, single_thread):
+@pytest.mark.parametrize("name", KINDS)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_static_cache_answers_equal_the_growing_cache(tiny_lm, name, temperature, single_thread):
     """Three left-padded rows of different lengths: every row's answer and every step's acceptance are the growing
-    cache's."""
+    cache's, greedy and seeded sampling (the same draws: padding nodes draw nothing)."""
     ids, mask = left_pad(repetitive_prompts(7, 3))
-    drafter = drafters(tiny_lm)[name]
-    growing = generate(tiny_lm, ids, drafter, DecodeConfig(max_new_tokens=24), attention_mask=mask)
-    fixed = generate(tiny_lm, ids, drafter, DecodeConfig(max_new_tokens=24, static_cache=True), attention_mask=mask)
+
+    def run(**static_options):  # a fresh drafter each time: lookahead keeps its n-gram pool across generations
+        config = DecodeConfig(max_new_tokens=24, sampling=SamplingParams(temperature=temperature), **static_options)
+        return generate(tiny_lm, ids, drafters(tiny_lm)[name], config, attention_mask=mask,
+                        generator=torch.Generator().manual_seed(3))
+
+    growing, fixed = run(), run(static_cache=True)
     assert fixed.sequences == growing.sequences
     assert fixed.stats.accepted == growing.stats.accepted
-    if name != "plain":
+    if name != "plain" and temperature == 0:
         assert growing.stats.mean_accepted > 0  # drafts were accepted: the surgery ran
 
 
@@ -101,6 +116,21 @@ def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(tiny_lm_fac
     times = first.stats.times
     assert times.total == pytest.approx(times.prefill + times.draft + times.forward + times.verify + times.cache
                                         + times.other)  # compile is not in total
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_compiled_seeded_sampling_equals_eager(tiny_lm_factory, name, single_thread):
+    """Every drafter kind, a left-padded batch, seeded sampling: the compiled step draws the same tokens."""
+    model = tiny_lm_factory("llama")
+    ids, mask = left_pad(repetitive_prompts(7, 3))
+
+    def run(**compiled):
+        config = DecodeConfig(max_new_tokens=16, sampling=SamplingParams(temperature=0.8), **compiled)
+        return generate(model, ids, drafters(model)[name], config, attention_mask=mask,
+                        generator=torch.Generator().manual_seed(5))
+
+    eager, compiled = run(), run(compile=True)
+    assert compiled.sequences == eager.sequences and compiled.stats.accepted == eager.stats.accepted
 
 
 @pytest.mark.skipif(not cpu_linear.cpu_supported() or cpu_linear.load_kernel() is None,
