@@ -1,18 +1,20 @@
-"""Section `compiled` of scripts/gpu_check.py: the engine's static cache and compiled step (DecodeConfig.compile) on the
-random bf16 target, against the eager engine and the memory-bandwidth floor.
+"""Section `compiled` of scripts/gpu_check.py: the engine's static cache and compiled step (DecodeConfig.compile) on a
+random bf16 target of Llama-3.1-8B's shapes (train.memory_model's; a small one with --small), against the eager engine
+and the memory-bandwidth floor. Issue #62's GPU goals: a plain step <= 8 ms, a 16-node tree <= 1.2x a plain step, an
+EAGLE-3 draft step (random drafter) <= 1.5 ms.
 
-- `step_ms`: a target forward over the root plus 0, 8 and 31 drafted nodes (buckets 1, 9 and 32) on a --context cache,
-  eager and compiled (CUDA graphs), each the median of `reps` after a warm-up that compiles (inference.engine.step_cost);
-  `floor_ms` = weight bytes / copy bandwidth, and each plain step over it; `step_wall_s`: each curve's wall time (the
-  compiled one's excess is compilation).
-- `decode`: greedy decoding of the random prompts (prompt_len + new_tokens, a batch of one), plain and with prompt
-  lookup, eager and compiled: tokens/s without compilation, compile seconds, and the rows whose answer is the eager
-  engine's (bf16: a compiled graph rounds differently, so a near tie may flip; fp32 equality is section `drafters`'
-  and tests/test_static_cache.py's).
+- `step_ms`: a target forward over the root plus 0, 8 and 15 drafted nodes (buckets 1, 9 and 16) on a
+  `context`-token cache, eager and compiled (CUDA graphs), each the median of `reps` after a warm-up that compiles
+  (inference.engine.step_cost); `floor_ms` = weight bytes / copy bandwidth and each plain step over it; `step_wall_s`:
+  each curve's wall time (the compiled one's excess is compilation).
+- `decode`: greedy decoding of random prompts (a batch of one), plain and EAGLE-3 with a random draft (a static
+  16-node tree, so no shape beyond the curve's), eager and compiled: tokens/s without compilation, τ, compile seconds, the draft phase's
+  ms a step (EAGLE-3's: its draft step) and the rows whose answer is the eager engine's (bf16: a compiled graph
+  rounds differently, so a near tie may flip).
 - `identical_fp32`: a small fp32 random Llama (TF32 off), plain and prompt lookup: compiled answers must equal eager
   ones token for token.
-The prompts' lengths put every run's cache on one capacity (prompt + new tokens + 64 within 512 slots), so each
-bucket compiles once for the step curve and the decoding alike.
+Every run shares one cache capacity (`cache_slots`), so each bucket compiles once for the curve and the decoding:
+three compilations of the 8B step in all (each about a minute with CUDA graphs; prompt lookup's chains would add five).
 """
 
 from __future__ import annotations
@@ -22,87 +24,114 @@ from typing import Any, Callable
 
 import torch
 
+from train.memory_model import Shape  # the standard library only: no package check needed
 
-def compiled_section(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, context: int, reps: int,
-                     small_model: Callable[[], torch.nn.Module], say: Callable[[str], None]) -> dict[str, Any]:
+NODES = (0, 8, 15)  # drafted nodes of the step curve: buckets 1, 9 and 16
+DRAFTERS = ("plain", "eagle3")
+
+
+def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: int, context: int, reps: int,
+                     device: torch.device, seed: int, say: Callable[[str], None]) -> dict[str, Any]:
     from inference.bench.bandwidth import copy_bandwidth, weight_bytes  # deferred: after the package checks
     from inference.engine.step_cost import measure_step_cost
 
-    device = model.get_input_embeddings().weight.device
+    say(f"compiled: a random bf16 Llama of {shape.name}'s shapes on {device}")
+    model = random_llama(shape, torch.bfloat16, device, seed)
+    slots = 256 * -(-(max(context + NODES[-1] + 1, prompt_len + new_tokens) + 64) // 256)
     floor_ms = weight_bytes(model) / copy_bandwidth(device) * 1e3
-    result: dict[str, Any] = {"floor_ms": floor_ms, "step_ms": {}, "step_wall_s": {}}
-    for mode, settings in (("eager", {}), ("compiled", {"compile": True})):
+    result: dict[str, Any] = {"shape": shape.name, "floor_ms": floor_ms, "cache_slots": slots, "step_ms": {},
+                              "step_wall_s": {}}
+    for mode, settings in (("eager", {}), ("compiled", {"compile": True, "cache_slots": slots})):
         say(f"compiled: step cost, {mode}")
         start = time.perf_counter()
-        cost = measure_step_cost(model, (0, 8, 31), repeats=reps, context=context, **settings)
+        cost = measure_step_cost(model, NODES, repeats=reps, context=context, **settings)
         result["step_ms"][mode] = dict(cost.points)
-        result["step_wall_s"][mode] = time.perf_counter() - start  # compiled: its excess over eager is compilation
+        result["step_wall_s"][mode] = time.perf_counter() - start
         result[f"{mode}_plain_over_floor"] = cost.ms(0) / floor_ms
-        result[f"{mode}_8_drafted_over_plain"] = cost.ms(8) / cost.ms(0)
-    result["decode"] = decode_runs(model, prompts, new_tokens, say)
+        result[f"{mode}_16_nodes_over_plain"] = cost.ms(15) / cost.ms(0)
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, shape.vocab, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
+    say("compiled: decoding, eager and compiled")
+    result["decode"] = compare(runs(model, ids, new_tokens, slots, DRAFTERS))
+    del model
     say("compiled: fp32 identity on a small random Llama")
-    result["identical_fp32"] = identity(small_model(), [p[:40] for p in prompts], min(new_tokens, 32))
+    small = random_llama(SMALL, torch.float32, device, seed)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        made = runs(small, [[t % SMALL.vocab for t in p[:40]] for p in ids], min(new_tokens, 32), 256,
+                    ("plain", "prompt_lookup"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    result["identical_fp32"] = {d: {"rows": len(ids), "identical": sum(
+        a == b for a, b in zip(made[f"{d}.compiled"]["answers"], made[f"{d}.eager"]["answers"]))}
+        for d in ("plain", "prompt_lookup")}
     return result
 
 
-def small_llama(vocab: int, device: torch.device, seed: int) -> torch.nn.Module:
-    """A frozen fp32 random Llama of 2 layers (hidden 64, GQA) on `device`."""
+def random_llama(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
+    """A frozen random Llama of `shape` (train.memory_model.Shape), built on `device`; no EOS id, so every method
+    decodes the same number of tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: after the package checks
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=None, pad_token_id=0, initializer_range=0.2)
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+                         initializer_range=0.02 if dtype == torch.bfloat16 else 0.2)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval().requires_grad_(False)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
 
 
-def runs(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """Each mode x drafter: the answers, tokens/s (compilation excluded) and compile seconds."""
-    from inference.drafters.prompt_lookup import PromptLookupDrafter  # deferred: after the package checks
-    from inference.engine.loop import DecodeConfig, generate
+def drafter_for(name: str, model: torch.nn.Module) -> Any:
+    from inference.bench.engine_check import lm_head_eagle3  # deferred: after the package checks
+    from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
+    from inference.drafters.prompt_lookup import PromptLookupDrafter
+    from inference.engine.tree import default_tree_path
+
+    if name == "prompt_lookup":
+        return PromptLookupDrafter(num_draft=8)
+    if name == "eagle3":
+        draft = lm_head_eagle3(model).to(model.get_input_embeddings().weight)
+        tree = eagle3_tree(str(default_tree_path(4)), [], model.device)  # 16 nodes, 4 deep
+        return Eagle3Drafter(draft, tree, model.get_input_embeddings())
+    return None
+
+
+def runs(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, slots: int,
+         names: tuple[str, ...]) -> dict[str, Any]:
+    """Each drafter x mode: the answers, tokens/s (compilation excluded), compile seconds, τ and draft ms a step."""
+    from inference.engine.loop import DecodeConfig, generate  # deferred: after the package checks
 
     device = model.get_input_embeddings().weight.device
     out: dict[str, Any] = {}
-    for drafter_name in ("plain", "prompt_lookup"):
+    for name in names:
         for mode in ("eager", "compiled"):
-            config = DecodeConfig(max_new_tokens=new_tokens, compile=mode == "compiled")
-            answers, tokens, seconds, compile_s, forwards = [], 0, 0.0, 0.0, 0
+            config = DecodeConfig(max_new_tokens=new_tokens, compile=mode == "compiled", cache_slots=slots
+                                  if mode == "compiled" else None, sync_phases=True)
+            answers, tokens, seconds, compile_s, forwards, draft_s, steps = [], 0, 0.0, 0.0, 0, 0.0, 0
             for prompt in prompts:
-                drafter = PromptLookupDrafter(num_draft=7) if drafter_name == "prompt_lookup" else None
-                ids = torch.tensor([prompt], device=device)
-                gen = generate(model, ids, drafter, config)
+                gen = generate(model, torch.tensor([prompt], device=device), drafter_for(name, model), config)
                 answers.append(gen.sequences[0])
-                tokens += gen.stats.new_tokens
-                seconds += gen.stats.times.total
-                compile_s += gen.stats.times.compile
-                forwards += gen.stats.target_forwards
-            out[f"{drafter_name}.{mode}"] = {"answers": answers, "tokens_per_s": tokens / seconds,
-                                             "compile_s": compile_s, "tau": tokens / forwards}
+                s, t = gen.stats, gen.stats.times
+                tokens, seconds, compile_s = tokens + s.new_tokens, seconds + t.total, compile_s + t.compile
+                forwards, draft_s, steps = forwards + s.target_forwards, draft_s + t.draft, steps + s.steps
+            out[f"{name}.{mode}"] = {"answers": answers, "tokens_per_s": tokens / seconds, "compile_s": compile_s,
+                                     "tau": tokens / forwards, "draft_ms": draft_s / max(steps, 1) * 1e3}
     return out
 
 
-def decode_runs(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
-                say: Callable[[str], None]) -> dict[str, Any]:
-    say("compiled: decoding, eager and compiled")
-    made = runs(model, prompts, new_tokens)
+def compare(made: dict[str, Any]) -> dict[str, Any]:
+    """Each run's figures with its rows equal to the eager run's and its speed-up over eager plain decoding."""
     summary: dict[str, Any] = {}
     for name, run in made.items():
-        drafter, mode = name.split(".")
-        eager = made[f"{drafter}.eager"]["answers"]
+        eager = made[f"{name.split('.')[0]}.eager"]["answers"]
         summary[name] = {k: v for k, v in run.items() if k != "answers"}
         summary[name]["rows_equal_eager"] = sum(a == b for a, b in zip(run["answers"], eager))
         summary[name]["speedup_over_eager_plain"] = run["tokens_per_s"] / made["plain.eager"]["tokens_per_s"]
     return summary
 
 
-def identity(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        vocab = model.config.vocab_size
-        made = runs(model, [[t % vocab for t in p] for p in prompts], new_tokens)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    return {drafter: {"rows": len(prompts), "identical": sum(a == b for a, b in zip(made[f"{drafter}.compiled"]["answers"],
-                                                                                    made[f"{drafter}.eager"]["answers"]))}
-            for drafter in ("plain", "prompt_lookup")}
+SMALL = Shape("small_fp32", 64, 2, 4, 2, 128, 512)  # the fp32 identity model

@@ -101,13 +101,15 @@ def compiled_lines(compiled: Any) -> list[str]:
     if lines:
         return lines
     steps = compiled["step_ms"]
-    lines = [f"compiled step (static cache, CUDA graphs) vs eager; memory floor {compiled['floor_ms']:.2f} ms:"]
+    lines = [f"compiled step (static cache, CUDA graphs) vs eager on {compiled['shape']}; memory floor "
+             f"{compiled['floor_ms']:.2f} ms:"]
     for mode in ("eager", "compiled"):
         ms = ", ".join(f"{k} drafted {v:.2f}" for k, v in steps[mode].items())
-        lines.append(f"  {mode:9} ms {ms}; plain {compiled[f'{mode}_plain_over_floor']:.2f}x the floor, 8 drafted "
-                     f"{compiled[f'{mode}_8_drafted_over_plain']:.2f}x plain")
+        lines.append(f"  {mode:9} ms {ms}; plain {compiled[f'{mode}_plain_over_floor']:.2f}x the floor, a 16-node "
+                     f"tree {compiled[f'{mode}_16_nodes_over_plain']:.2f}x plain")
     for name, row in compiled["decode"].items():
-        lines.append(f"  {name:24}{row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  "
+        lines.append(f"  {name:24}{row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  draft "
+                     f"{row['draft_ms']:.2f} ms  "
                      f"{row['speedup_over_eager_plain']:.2f}x eager plain  compile {row['compile_s']:.1f} s  "
                      f"rows equal to eager {row['rows_equal_eager']}")
     same = ", ".join(f"{d} {r['identical']}/{r['rows']}" for d, r in compiled["identical_fp32"].items())

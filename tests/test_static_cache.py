@@ -3,9 +3,12 @@ same greedy answers as the growing cache, in fp32, for every kind of draft."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from inference.bench.engine_check import lm_head_eagle3, lm_head_heads
 from inference.drafters.draft_model import DraftModelDrafter
@@ -16,10 +19,12 @@ from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.prompt_lookup import PromptLookupDrafter
 from inference.engine import static
 from inference.engine.cache import tree_inputs
+from inference.engine.compiled import target_step
 from inference.engine.loop import DecodeConfig, generate
 from inference.engine.tree import build_tree, load_tree
 from inference.engine.verify import SamplingParams
 from inference.kernels import cpu_linear
+from tests.conftest import build_tiny_lm
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
 
@@ -100,11 +105,10 @@ def test_a_static_layer_grows_keeping_its_entries():
 
 
 @pytest.mark.parametrize("name", ["prompt_lookup", "eagle3"])
-def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(tiny_lm_factory, name, single_thread):
+def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(name, single_thread):
     """One compile per shape: a second generation of the same shapes compiles nothing. EAGLE-3 reads the target's
     hidden states and fused layers out of the compiled forward."""
-    torch._dynamo.reset()
-    model = tiny_lm_factory("llama")
+    model = build_tiny_lm("llama", seed=11)  # its own model: a fresh compiled step, whatever ran before
     ids, mask = left_pad(repetitive_prompts(7, 2))
     drafter = drafters(model)[name]
     eager = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16), attention_mask=mask)
@@ -118,9 +122,13 @@ def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(tiny_lm_fac
                                         + times.other)  # compile is not in total
 
 
+seen_before: defaultdict[int, set] = defaultdict(set)  # shapes a model's compiled step met in earlier tests
+
+
 @pytest.mark.parametrize("name", KINDS)
 def test_compiled_seeded_sampling_equals_eager(tiny_lm_factory, name, single_thread):
-    """Every drafter kind, a left-padded batch, seeded sampling: the compiled step draws the same tokens."""
+    """Every drafter kind, a left-padded batch, seeded sampling: the compiled step draws the same tokens (and stays
+    compiled: past dynamo's recompile limit it would run eagerly and still pass)."""
     model = tiny_lm_factory("llama")
     ids, mask = left_pad(repetitive_prompts(7, 3))
 
@@ -129,8 +137,13 @@ def test_compiled_seeded_sampling_equals_eager(tiny_lm_factory, name, single_thr
         return generate(model, ids, drafters(model)[name], config, attention_mask=mask,
                         generator=torch.Generator().manual_seed(5))
 
-    eager, compiled = run(), run(compile=True)
+    eager = run()
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = run(compile=True)
     assert compiled.sequences == eager.sequences and compiled.stats.accepted == eager.stats.accepted
+    new_shapes = sum(1 for key in target_step(model, True).seen if key not in seen_before[id(model)])
+    seen_before[id(model)] |= target_step(model, True).seen
+    assert counters["stats"]["unique_graphs"] - graphs >= new_shapes  # each new shape compiled (none ran eagerly)
 
 
 @pytest.mark.skipif(not cpu_linear.cpu_supported() or cpu_linear.load_kernel() is None,
@@ -140,7 +153,6 @@ def test_a_kernel_linear_compiles_into_one_graph_with_the_kernel_in_it(dtype, mo
     """No graph break at the kernel (fullgraph=True would raise), and the compiled layer gives the eager kernel's
     result."""
     monkeypatch.setattr(cpu_linear, "fp32_route_supported", lambda: True)
-    torch._dynamo.reset()
     layer = nn.Linear(64, 48, dtype=dtype).requires_grad_(False)
     cpu_linear.install(layer)
     assert isinstance(layer, cpu_linear.KernelLinear)

@@ -71,9 +71,16 @@ def target_step(model: torch.nn.Module, compiled: bool) -> TargetStep:
     return _steps[model]
 
 
+RECOMPILE_LIMIT = 256  # graphs of one forward: every (batch, bucket, capacity) is one; dynamo's default stops at 8
+
+
 def _compile(model: torch.nn.Module) -> Any:
     """torch.compile of the model's forward: CUDA graphs on CUDA, inductor's default elsewhere; shapes static (a
-    new shape compiles anew rather than one dynamic graph that serves all)."""
+    new shape compiles anew rather than one dynamic graph that serves all). Dynamo runs a function eagerly, with a
+    warning, past its recompile limit; the limits are raised (process-wide) so that every shape keeps its graph."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
     return torch.compile(model.forward, dynamic=False, mode="reduce-overhead" if on_cuda(model) else None)
 
 

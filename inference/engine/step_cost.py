@@ -87,16 +87,17 @@ class StepCost:
 @torch.inference_mode()
 def measure_step_cost(model: torch.nn.Module, nodes: tuple[int, ...] = NODES, repeats: int = 5, context: int = 256,
                       seed: int = 0, progress: Callable[[int, float], None] | None = None, cpu_kernel: bool = True,
-                      static_cache: bool = False, compile: bool = False) -> StepCost:
+                      static_cache: bool = False, compile: bool = False, cache_slots: int | None = None
+                      ) -> StepCost:
     """The median over `repeats` (after one warm-up, which also compiles) of the target's forward over a chain of k
     drafted nodes after a `context`-token prompt of random ids, for each k of `nodes` (ascending from 0), run as the
-    loop runs it (`forward_tree` with DecodeConfig's `cpu_kernel`, `static_cache` and `compile`); the cache is
-    cropped back after each. `progress(k, ms)` after each k."""
+    loop runs it (`forward_tree` with DecodeConfig's `cpu_kernel`, `static_cache`, `compile` and `cache_slots`); the
+    cache is cropped back after each. `progress(k, ms)` after each k."""
     device = model.get_input_embeddings().weight.device
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)  # [1, T]
     config = DecodeConfig(max_new_tokens=max(nodes) + 1, cpu_kernel=cpu_kernel, static_cache=static_cache,
-                          compile=compile)
+                          compile=compile, cache_slots=cache_slots)
     step = target_step(model, config.compile)
     points = []
     with fast_linears(model, enabled=config.cpu_kernel), gqa_attention(model, enabled=config.gqa_attention):
