@@ -8,9 +8,9 @@ EAGLE-3 draft step (random drafter) <= 1.5 ms.
   (inference.engine.step_cost); `floor_ms` = weight bytes / copy bandwidth and each plain step over it; `step_wall_s`:
   each curve's wall time (the compiled one's excess is compilation).
 - `decode`: greedy decoding of random prompts (a batch of one), plain and EAGLE-3 with a random draft (a static
-  16-node tree, so no shape beyond the curve's), eager and compiled: tokens/s without compilation, τ, compile seconds, the draft phase's
-  ms a step (EAGLE-3's: its draft step) and the rows whose answer is the eager engine's (bf16: a compiled graph
-  rounds differently, so a near tie may flip).
+  16-node tree, so no shape beyond the curve's), eager and compiled: tokens/s without compilation, τ, compile
+  seconds, the draft phase's ms a step (EAGLE-3's: its draft step) and the rows whose answer is the eager engine's
+  (bf16: a compiled graph rounds differently, so a near tie may flip).
 - `identical_fp32`: a small fp32 random Llama (TF32 off), plain and prompt lookup: compiled answers must equal eager
   ones token for token.
 Every run shares one cache capacity (`cache_slots`), so each bucket compiles once for the curve and the decoding:
@@ -33,7 +33,7 @@ DRAFTERS = ("plain", "eagle3")
 def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: int, context: int, reps: int,
                      device: torch.device, seed: int, say: Callable[[str], None]) -> dict[str, Any]:
     from inference.bench.bandwidth import copy_bandwidth, weight_bytes  # deferred: after the package checks
-    from inference.engine.step_cost import measure_step_cost
+    from inference.engine.step_cost import measure_step_cost  # deferred: after the package checks
 
     say(f"compiled: a random bf16 Llama of {shape.name}'s shapes on {device}")
     model = random_llama(shape, torch.bfloat16, device, seed)
@@ -87,9 +87,9 @@ def random_llama(shape: Shape, dtype: torch.dtype, device: torch.device, seed: i
 
 def drafter_for(name: str, model: torch.nn.Module) -> Any:
     from inference.bench.engine_check import lm_head_eagle3  # deferred: after the package checks
-    from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
-    from inference.drafters.prompt_lookup import PromptLookupDrafter
-    from inference.engine.tree import default_tree_path
+    from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree  # deferred: after the package checks
+    from inference.drafters.prompt_lookup import PromptLookupDrafter  # deferred: after the package checks
+    from inference.engine.tree import default_tree_path  # deferred: after the package checks
 
     if name == "prompt_lookup":
         return PromptLookupDrafter(num_draft=8)
