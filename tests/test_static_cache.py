@@ -3,6 +3,7 @@ same greedy answers as the growing cache, in fp32, for every kind of draft."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import pytest
@@ -173,3 +174,27 @@ def test_a_request_past_a_fixed_capacity_is_refused_in_one_line(tiny_lm_factory)
     fits = generate(model, ids, None, DecodeConfig(max_new_tokens=96, static_cache=True, cache_slots=200))
     plain = generate(model, ids, None, DecodeConfig(max_new_tokens=96))
     assert fits.sequences == plain.sequences
+
+
+def test_load_and_the_command_line_take_compile(tmp_path, capsys, single_thread):
+    """`load(..., compile=True, cache_slots=N)` and `python -m inference generate --compile --cache-slots N --json`
+    give the eager engine's text and report the compile time apart."""
+    from inference import load
+    from inference.cli import main
+    from tests.model_support import save_tiny_model
+
+    base = str(save_tiny_model(tmp_path / "model", initializer_range=0.2))
+    eager = load("prompt_lookup", base=base, dtype="fp32")
+    compiled = load("prompt_lookup", base=base, dtype="fp32", compile=True, cache_slots=256)
+    assert compiled.compile and compiled.cache_slots == 256
+    question = "hello world, what is two plus three?"
+    assert compiled.generate(question, max_new_tokens=12) == eager.generate(question, max_new_tokens=12)
+    argv = ["generate", "--drafter", "prompt_lookup", "--base", base, "--dtype", "fp32", "--prompt", question,
+            "--max-new-tokens", "12", "--json"]
+    capsys.readouterr()  # what the loads above printed
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--compile", "--cache-slots", "256"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["text"] == plain["text"] and fast["token_ids"] == plain["token_ids"]
+    assert plain["stats"]["compile_s"] == 0 and fast["stats"]["compile_s"] >= 0
