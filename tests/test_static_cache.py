@@ -117,7 +117,7 @@ def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(name, singl
     again = generate(model, ids, drafter, DecodeConfig(max_new_tokens=16, compile=True), attention_mask=mask)
     assert first.sequences == eager.sequences == again.sequences
     assert first.stats.accepted == eager.stats.accepted
-    assert first.stats.times.compile > 0 and again.stats.times.compile < first.stats.times.compile / 10
+    assert first.stats.times.compile > 0 and again.stats.times.compile == 0  # billed by shape, not by timing
     times = first.stats.times
     assert times.total == pytest.approx(times.prefill + times.draft + times.forward + times.verify + times.cache
                                         + times.other)  # compile is not in total
