@@ -74,6 +74,11 @@ def target_step(model: torch.nn.Module, compiled: bool) -> TargetStep:
 RECOMPILE_LIMIT = 256  # graphs of one forward: every (batch, bucket, capacity) is one; dynamo's default stops at 8
 
 
+def has_compiled_step(model: torch.nn.Module) -> bool:
+    """Whether `target_step(model, True)` was made already."""
+    return model in _steps
+
+
 def _compile(model: torch.nn.Module) -> Any:
     """torch.compile of the model's forward: CUDA graphs on CUDA, inductor's default elsewhere; shapes static (a
     new shape compiles anew rather than one dynamic graph that serves all). Dynamo runs a function eagerly, with a

@@ -31,7 +31,7 @@ import torch
 
 from inference.engine import static
 from inference.engine.cache import commit_slots, keep_nodes, new_cache, prefill_inputs, tree_inputs
-from inference.engine.compiled import TargetStep, target_step
+from inference.engine.compiled import TargetStep, has_compiled_step, target_step
 from inference.engine.context import check_context, check_window, context_length, within_context
 from inference.engine.devices import cuda_sync, input_device
 from inference.engine.drafter import DecodeState, Draft, Drafter, NoDrafter
@@ -359,7 +359,8 @@ def _generate(
     clock = _Clock(sync=cuda_sync(model) if config.sync_phases else None)
     start = time.perf_counter()
     layers = feature_layers(drafter)
-    with clock("compile") if config.compile else nullcontext():  # the first torch.compile imports inductor (~1 s)
+    made = config.compile and not has_compiled_step(model)
+    with clock("compile") if made else nullcontext():  # the first torch.compile imports inductor (~1 s)
         step = target_step(model, config.compile)
     with clock("prefill"):
         state = prefill(model, input_ids, pad_mask, config, drafter.needs_hidden, generator, layers)
