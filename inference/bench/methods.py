@@ -12,8 +12,8 @@
                  for smollm2 by default the Q4_1 file the builtin model is dequantised from: the same weights), with
                  as many threads as torch; its own quantised kernels round differently, so it is timed but not held to
                  greedy identity (inference.bench.stats.OWN_NUMERICS)
-hf_pld, hf_assisted and llama_cpp are greedy only. Every runner maps (prompt ids, max new tokens, seed) to a `TurnResult`; the HF
-runners count the target's forward calls with a forward hook, so τ is measured for them too.
+hf_pld, hf_assisted and llama_cpp are greedy only. Every runner maps (prompt ids, max new tokens, seed) to a
+`TurnResult`; the HF runners count the target's forward calls with a forward hook, so τ is measured for them too.
 """
 
 from __future__ import annotations
