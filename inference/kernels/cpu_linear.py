@@ -17,12 +17,12 @@ verification forward took 227 ms against 99 for one token), and at 9-17 rows it 
 has. The kernel's fp32 blocks (`linear_fp32`: 4 weight rows x 3 input rows of 8-lane dot products, the sums of one
 input row reduced and stored together) run 1..`FP32_ROWS` rows: the same products in another summation order, as
 between a one-row and a K-row forward already (`scripts/step_cost.py --modes eager,stock` measures the forward).
-Where the kernel cannot be built, fp32 layers of 2..`FP32_MM_ROWS` rows run as `weight @ x^T` instead, which takes the BLAS's
-few-row path (`few_rows_fp32`: 146 ms for that 8-node forward). On AVX-512 CPUs the same AVX2 blocks run: stock's
-one-row fp32 product there streams the weights on one thread (a Zen 4 EPYC with AVX-512-BF16, 2 cores: ~11 GB/s
-against ~25 through the kernel), so SmolLM2-135M's plain fp32 step took 31.9 ms against 56.9 stock and an 8-node
-forward 46.3 against 85.7 (`scripts/step_cost.py --dtype fp32 --modes eager,stock`). Intel AVX-512 hosts are unmeasured;
-`--no-cpu-kernel` runs stock anywhere.
+Where the kernel cannot be built, fp32 layers of 2..`FP32_MM_ROWS` rows run as `weight @ x^T` instead, which takes
+the BLAS's few-row path (`few_rows_fp32`: 146 ms for that 8-node forward). On AVX-512 CPUs the same AVX2 blocks run:
+stock's one-row fp32 product there streams the weights on one thread (a Zen 4 EPYC with AVX-512-BF16, 2 cores:
+~11 GB/s against ~25 through the kernel), so SmolLM2-135M's plain fp32 step took 31.9 ms against 56.9 stock and an
+8-node forward 46.3 against 85.7 (`scripts/step_cost.py --dtype fp32 --modes eager,stock`). Intel AVX-512 hosts are
+unmeasured; `--no-cpu-kernel` runs stock anywhere.
 
 `fast_linears(*modules)` routes eligible `nn.Linear` layers (bf16, or fp32 where the fp32 route runs; CPU, contiguous
 weight, no forward of their own set by a hook library) through the kernel (or fp32's `weight @ x^T` without it) while
