@@ -12,8 +12,12 @@ forward may round differently from a one-token forward, which can flip a near-ti
 in bf16), exactly as batching does in plain decoding. On the CPU, the loop runs a bf16 model's few-row linears through
 the engine's own kernel (inference.kernels.cpu_linear; `DecodeConfig.cpu_kernel=False` keeps stock PyTorch), which
 rounds like stock up to summation order: the same kind of difference. Masked forwards of a grouped-query model on the
-CPU skip stock sdpa's key/value copy (inference.kernels.attention; bit-identical outputs). The cache's layers write
-new keys/values into preallocated slots instead of concatenating (inference.engine.cache.SlotLayer; the same values).
+CPU skip stock sdpa's key/value copy (inference.kernels.attention; bit-identical outputs; a one-query bf16 forward
+runs in fp32, rounding only). The cache's layers write new keys/values into preallocated slots instead of
+concatenating (inference.engine.cache.SlotLayer; the same values). With `static_cache` (or `compile`) the cache has a
+fixed capacity and trees run in node buckets (inference.engine.static), so every step has one of a few shapes, and
+with `compile` the target's forward for those shapes is a compiled graph (inference.engine.compiled); the prefill
+stays eager.
 
 Devices (a target split by `device_map`, see inference.engine.devices): the loop's state, the drafts and the masks live
 on the input embeddings' device; the cache layers stay on their own layers' devices; logits are turned into tokens
