@@ -139,12 +139,17 @@ def cllm_figures(shape: RecipeShape, target: Path, folder: Path, logs: Path, on_
     run_dir = folder / "cllm"
     train = run(cllm_command(shape, target, trajectories, run_dir, on_gpu), folder / "cllm.peak.json",
                 logs / "cllm.log", timeout)
+    return {"collect_jacobi": collect, "cllm": {**train, **trainer_figures("cllm", run_dir, shape, on_gpu)}}
+
+
+def trainer_figures(method: str, run_dir: Path, shape: RecipeShape, on_gpu: bool) -> dict:
+    """A finished run's throughput (its config.json) and the memory model's peak at the mean row length it trained
+    on and at data.max_length."""
     saved = json.loads((run_dir / "config.json").read_text())["training"]["throughput"]
-    mean_row = round(saved["tokens"] / max(saved["steps"] * shape.batch, 1))
-    train.update(tokens_per_s=saved["tokens_per_second"], train_s=saved["seconds"], steps=saved["steps"],
-                 predicted=predicted_peak("cllm", shape, mean_row, on_gpu),
-                 bound=predicted_peak("cllm", shape, shape.max_length, on_gpu))
-    return {"collect_jacobi": collect, "cllm": train}
+    mean_row = round(saved["tokens"] / max(saved["steps"] * shape.batch, 1))  # tokens a row held, on average
+    return {"tokens_per_s": saved["tokens_per_second"], "train_s": saved["seconds"], "steps": saved["steps"],
+            "predicted": predicted_peak(method, shape, mean_row, on_gpu),
+            "bound": predicted_peak(method, shape, shape.max_length, on_gpu)}
 
 
 def run(args: list[str], peak_file: Path, log: Path, timeout: float) -> dict:
@@ -191,12 +196,7 @@ def recipes_section(shape_name: str, folder: Path, out: Path, device: torch.devi
         say(f"recipes: python -m train {method}")
         figures = run(train_command(method, shape, target, run_dir, on_gpu), folder / f"{method}.peak.json",
                       logs / f"{method}.log", timeout)
-        saved = json.loads((run_dir / "config.json").read_text())["training"]["throughput"]
-        mean_row = round(saved["tokens"] / max(saved["steps"] * shape.batch, 1))  # tokens a row held, on average
-        figures.update(tokens_per_s=saved["tokens_per_second"], train_s=saved["seconds"], steps=saved["steps"],
-                       predicted=predicted_peak(method, shape, mean_row, on_gpu),
-                       bound=predicted_peak(method, shape, shape.max_length, on_gpu))
-        result["commands"][method] = figures
+        result["commands"][method] = {**figures, **trainer_figures(method, run_dir, shape, on_gpu)}
         say(f"recipes: python -m models.convert {export}")
         exported = folder / f"{method}_export"
         result["commands"][export] = run(["-m", "models.convert", export, str(run_dir), str(exported)],
