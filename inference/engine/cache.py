@@ -126,11 +126,15 @@ def prefill_inputs(pad_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     positions = (pad_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
     if bool(pad_mask.all()):
         return None, positions
+    return additive(prefill_visible(pad_mask)[:, None], dtype), positions
+
+
+def prefill_visible(pad_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: causal over a left-padded prompt (pad_mask [B, T]); padded queries see only themselves."""
     t = pad_mask.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=pad_mask.device).tril()
     visible = causal[None] & pad_mask[:, None, :]  # [B, T, T]
-    visible |= torch.eye(t, dtype=torch.bool, device=pad_mask.device)[None]
-    return additive(visible[:, None], dtype), positions
+    return visible | torch.eye(t, dtype=torch.bool, device=pad_mask.device)[None]
 
 
 def tree_inputs(
@@ -141,11 +145,15 @@ def tree_inputs(
     Node i sees every valid cached slot, its ancestors and itself; its position is the root's position plus its
     depth. The mask is None when it would hide nothing (a single node over a hole-free cache)."""
     positions = next_pos[:, None] + tree.depth[None, :]  # [B, K]
-    b, k = valid.shape[0], tree.num_nodes
-    if k == 1 and bool(valid.all()):
+    if tree.num_nodes == 1 and bool(valid.all()):
         return None, positions
-    visible = torch.cat([valid[:, None, :].expand(b, k, -1), tree.attn[None].expand(b, k, k)], dim=-1)  # [B, K, S+K]
-    return additive(visible[:, None], dtype), positions
+    return additive(tree_visible(tree, valid)[:, None], dtype), positions
+
+
+def tree_visible(tree: TreeBuffers, valid: torch.Tensor) -> torch.Tensor:
+    """[B, K, S + K] bool: node i sees every valid cached slot (`valid` [B, S]), its ancestors and itself."""
+    b, k = valid.shape[0], tree.num_nodes
+    return torch.cat([valid[:, None, :].expand(b, k, -1), tree.attn[None].expand(b, k, k)], dim=-1)
 
 
 def keep_nodes(cache: DynamicCache, start: int, keep: torch.Tensor, tree_len: int | None = None) -> None:

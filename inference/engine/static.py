@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import StaticLayer
 
-from inference.engine.cache import additive
+from inference.engine.cache import additive, prefill_visible, tree_visible
 from inference.engine.tree import TreeBuffers
 
 # Tree sizes a step runs as, each one compiled shape per batch size: never more than 1.5x the nodes (on a CPU every
@@ -105,9 +105,8 @@ def prefill_mask(pad_mask: torch.Tensor, dtype: torch.dtype, slots: int) -> torc
     """[B, 1, T, C] causal mask over a static cache of C = `slots` for a left-padded prompt (pad_mask [B, T] True at
     real tokens); padded queries see only themselves so no softmax row is empty."""
     b, t = pad_mask.shape
-    causal = torch.ones(t, t, dtype=torch.bool, device=pad_mask.device).tril()
     visible = torch.zeros(b, t, slots, dtype=torch.bool, device=pad_mask.device)
-    visible[:, :, :t] = (causal[None] & pad_mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=causal.device)
+    visible[:, :, :t] = prefill_visible(pad_mask)
     return additive(visible[:, None], dtype)
 
 
@@ -121,9 +120,9 @@ def tree_inputs(
     b, s = valid.shape
     k = tree.num_nodes
     visible = torch.zeros(b, width, slots, dtype=torch.bool, device=valid.device)
-    visible[:, :, :s] = valid[:, None, :]
-    visible[:, :k, s : s + k] = tree.attn
+    visible[:, :k, : s + k] = tree_visible(tree, valid)
     pad = torch.arange(k, width, device=valid.device)
+    visible[:, k:, :s] = valid[:, None, :]
     visible[:, pad, s + pad] = True
     depth = torch.cat([tree.depth, tree.depth.new_zeros(width - k)])  # [W]
     return additive(visible[:, None], dtype), next_pos[:, None] + depth[None, :]
