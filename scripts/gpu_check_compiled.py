@@ -33,11 +33,13 @@ DRAFTERS = ("plain", "eagle3")
 def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: int, context: int, reps: int,
                      device: torch.device, seed: int, say: Callable[[str], None]) -> dict[str, Any]:
     from inference.bench.bandwidth import copy_bandwidth, weight_bytes  # deferred: after the package checks
+    from inference.engine.loop import TREE_SLOTS  # deferred: after the package checks
+    from inference.engine.static import capacity_for  # deferred: after the package checks
     from inference.engine.step_cost import measure_step_cost  # deferred: after the package checks
 
     say(f"compiled: a random bf16 Llama of {shape.name}'s shapes on {device}")
     model = random_llama(shape, torch.bfloat16, device, seed)
-    slots = 256 * -(-(max(context + NODES[-1] + 1, prompt_len + new_tokens) + 64) // 256)
+    slots = capacity_for(max(context + NODES[-1] + 1, prompt_len + new_tokens) + TREE_SLOTS)
     floor_ms = weight_bytes(model) / copy_bandwidth(device) * 1e3
     result: dict[str, Any] = {"shape": shape.name, "floor_ms": floor_ms, "cache_slots": slots, "step_ms": {},
                               "step_wall_s": {}}

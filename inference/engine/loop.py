@@ -76,6 +76,11 @@ class DecodeConfig:
     sync_phases: bool = False  # on CUDA, wait for the device at both ends of every timed phase: right per-phase
     # times (benchmarks) for the overlap of one phase's kernels with the next one's launches; off, only totals are right
 
+    @property
+    def fixed_shapes(self) -> bool:
+        """A static cache and bucketed trees: asked for, or implied by `compile`."""
+        return self.static_cache or self.compile
+
     def __post_init__(self) -> None:
         check(self, error=ValueError)
         if any(len(s) == 0 for s in self.stop_sequences):
@@ -181,7 +186,7 @@ def prefill(
     states a feature drafter reads, kept for every prompt position in `state.features`."""
     dtype = model.get_input_embeddings().weight.dtype
     mask, positions = prefill_inputs(pad_mask, dtype)
-    if config.static_cache or config.compile:
+    if config.fixed_shapes:
         slots = config.cache_slots or static.capacity_for(input_ids.shape[1] + config.max_new_tokens + TREE_SLOTS)
         cache, mask = static.new_static_cache(slots), static.prefill_mask(pad_mask, dtype, slots)
     else:
@@ -326,7 +331,7 @@ def generate(
         raise ValueError("attention_mask: prompts must be left-padded (the last column must be all real tokens)")
     check_window(model, input_ids.shape[1] + config.max_new_tokens)
     check_context(model.config, int(pad_mask.sum(-1).max()), config.max_new_tokens)
-    if config.static_cache or config.compile:
+    if config.fixed_shapes:
         static.check_slots(config.cache_slots, input_ids.shape[1], config.max_new_tokens, TREE_SLOTS)
     modules = drafter_modules(drafter)
     with fast_linears(model, *modules, enabled=config.cpu_kernel), \
