@@ -195,7 +195,8 @@ def write_speculators(cache: str | os.PathLike, out: str | os.PathLike, layers: 
     samples the other trainers see. Counts (samples, tokens, trained_tokens) are the train part's."""
     out = Path(out)
     (out / "data" / "hidden_states").mkdir(parents=True, exist_ok=True)
-    train = list(range(len(FeatureDataset(cache, "train"))))[:limit]
+    n_train = len(FeatureDataset(cache, "train"))
+    n_train = n_train if limit is None else min(n_train, limit)
     has_validation = len(FeatureDataset(cache, "validation")) > 0
     held_out = samples(cache, layers, VALIDATION_ROWS, "validation") if has_validation else samples(cache, layers, 1)
     tokens = trained = rows_written = 0
@@ -206,15 +207,15 @@ def write_speculators(cache: str | os.PathLike, out: str | os.PathLike, layers: 
                       str(out / "data" / "hidden_states" / f"hs_{i}.safetensors"))
             rows.write(json.dumps({"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist(),
                                    "seq_len": len(s.input_ids)}) + "\n")
-            if i < len(train):
+            if i < n_train:
                 tokens += len(s.input_ids)
                 trained += int(s.loss_mask.sum())
             rows_written = i + 1
     d2t, t2d = vocab_maps(ids, vocab_size)
     np.save(out / "d2t.npy", d2t.numpy())
     np.save(out / "t2d.npy", t2d.numpy())
-    return {"samples": len(train), "tokens": tokens, "trained_tokens": trained,
-            "train_data_ratio": (len(train) + 0.5) / rows_written}
+    return {"samples": n_train, "tokens": tokens, "trained_tokens": trained,
+            "train_data_ratio": (n_train + 0.5) / rows_written}
 
 
 def speculators_dataset(out: str | os.PathLike) -> Path:
