@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from models.checkpoint import save_drafter
 from models.medusa import MedusaConfig, MedusaHeads
+from tests.cpu_kernel_support import needs_compiler
 from tests.data_support import tiny_tokenizer
 from tests.model_support import save_tiny_model
 
@@ -184,6 +185,7 @@ def test_nonfinite_figures_become_null_and_are_named():
 
 
 @pytest.mark.slow
+@needs_compiler
 def test_the_compiled_section_times_both_steps_and_compiled_fp32_answers_equal_eager(tmp_path):
     out = tmp_path / "out"
     result = run_script("--device", "cpu", "--small", "--out", out, "--sections", "compiled")

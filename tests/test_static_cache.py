@@ -26,6 +26,7 @@ from inference.engine.tree import build_tree, load_tree
 from inference.engine.verify import SamplingParams
 from inference.kernels import cpu_linear
 from tests.conftest import build_tiny_lm
+from tests.cpu_kernel_support import needs_compiler
 from tests.test_draft_model import left_pad
 from tests.test_lookahead import repetitive_prompts
 
@@ -105,6 +106,7 @@ def test_a_static_layer_grows_keeping_its_entries():
     assert torch.equal(layer.keys[:, :, 3:6], keys)
 
 
+@needs_compiler
 @pytest.mark.parametrize("name", ["prompt_lookup", "eagle3"])
 def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(name, single_thread):
     """One compile per shape: a second generation of the same shapes compiles nothing. EAGLE-3 reads the target's
@@ -126,6 +128,7 @@ def test_compiled_step_answers_equal_eager_and_compile_time_is_apart(name, singl
 seen_before: defaultdict[int, set] = defaultdict(set)  # shapes a model's compiled step met in earlier tests
 
 
+@needs_compiler
 @pytest.mark.parametrize("name", KINDS)
 def test_compiled_seeded_sampling_equals_eager(tiny_lm_factory, name, single_thread):
     """Every drafter kind, a left-padded batch, seeded sampling: the compiled step draws the same tokens (and stays
@@ -176,6 +179,7 @@ def test_a_request_past_a_fixed_capacity_is_refused_in_one_line(tiny_lm_factory)
     assert fits.sequences == plain.sequences
 
 
+@needs_compiler
 def test_load_and_the_command_line_take_compile(tmp_path, capsys, single_thread):
     """`load(..., compile=True, cache_slots=N)` and `python -m inference generate --compile --cache-slots N --json`
     give the eager engine's text and report the compile time apart."""
