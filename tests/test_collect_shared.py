@@ -204,12 +204,25 @@ def torchrun(*module: str) -> list[str]:
             *module]
 
 
+@pytest.fixture(scope="module")
+def two_rank_run(model_dir, chats, tmp_path_factory) -> Path:
+    """A 2-process trainer run (torchrun, gloo) with self-distillation on: its output_dir."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    run([*torchrun("-m", "train"), *train_command(model_dir, chats, out)])
+    return out
+
+
+def answers(out: Path) -> dict[str, list]:
+    """id -> conversation of every answer the ranks of a run wrote."""
+    files = RankFiles(out / "self_distill")
+    return {r["id"]: r["conversations"] for rank in files.ranks() for r in lines(files.records(rank))}
+
+
 @pytest.mark.distributed
-def test_two_trainer_ranks_share_the_prompts_and_one_resumes_them(model_dir, chats, tmp_path):
+def test_two_trainer_ranks_share_the_prompts_and_one_resumes_them(model_dir, chats, two_rank_run):
     """torchrun, 2 processes (gloo): each rank answers into its own file, the two files together hold every chosen
     prompt once (answered or skipped), and a rerun under world size 1 answers nothing new."""
-    out = tmp_path / "run"
-    run([*torchrun("-m", "train"), *train_command(model_dir, chats, out)])
+    out = two_rank_run
     files = RankFiles(out / "self_distill")
     assert files.ranks() == [0, 1]
     answered = [lines(files.records(r)) for r in (0, 1)]
@@ -220,6 +233,18 @@ def test_two_trainer_ranks_share_the_prompts_and_one_resumes_them(model_dir, cha
     again = run([sys.executable, "-m", "train", *train_command(model_dir, chats, out, "training.max_steps=2")])
     assert "0 answers generated, 10 already in" in again.stdout + again.stderr
     assert [lines(files.records(r)) for r in (0, 1)] == answered
+
+
+@pytest.mark.distributed
+def test_a_zero3_target_is_gathered_to_answer_and_answers_as_an_unpartitioned_one(model_dir, chats, two_rank_run,
+                                                                                   tmp_path):
+    """deepspeed=zero3 loads the target partitioned; under data.self_distill each rank gathers it whole, answers its
+    share, and the answers are those of the same 2-process run without DeepSpeed, word for word."""
+    out = tmp_path / "zero3"
+    run([*torchrun("-m", "train"), *train_command(model_dir, chats, out, "deepspeed=zero3")])
+    files = RankFiles(out / "self_distill")
+    assert files.ranks() == [0, 1] and all(lines(files.records(r)) for r in (0, 1))
+    assert answers(out) == answers(two_rank_run) and len(answers(out)) > 0
 
 
 # --- Jacobi trajectories --------------------------------------------------------------------------------------------

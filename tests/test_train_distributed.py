@@ -270,3 +270,18 @@ def test_gathered_is_a_no_op_for_ordinary_parameters():
     with gathered(linear.parameters()):
         assert linear.weight.shape == (2, 3)
     assert torch.equal(linear.weight, before)
+
+
+def test_self_distillation_under_zero3_is_refused_only_when_the_gathered_target_would_not_fit():
+    """Under ZeRO-3 the ranks gather the whole target to answer: weights over 90 % of a GPU's free memory are
+    refused in one line naming both sizes; on a CPU (no free-memory figure) nothing is refused."""
+    from train.cli import UsageError
+    from train.distributed import GATHER_HEADROOM, check_gather_fits
+
+    gib = 2**30
+    check_gather_fits(int(GATHER_HEADROOM * 20 * gib), "zero3", free_bytes=20 * gib)
+    with pytest.raises(UsageError, match=r"deepspeed=zero3 gathers the whole target .*\(16\.0 GiB of weights, "
+                                         r"15\.0 GiB free\): write the answers first with scripts/self_distill.py"):
+        check_gather_fits(16 * gib, "zero3", free_bytes=15 * gib)
+    if not torch.cuda.is_available():
+        check_gather_fits(10**15, "zero3")

@@ -98,9 +98,6 @@ def check_self_distill(cfg: DictConfig) -> None:
     """data.self_distill generates with the target before training: refuse the setups where that cannot work."""
     if not OmegaConf.select(cfg, "data.self_distill", default=False) or brings_own_data(cfg.method.name):
         return
-    if OmegaConf.select(cfg, "deepspeed.name") == "zero3":
-        raise UsageError("data.self_distill=true: a ZeRO-3 target is partitioned and cannot generate; "
-                         "write the data first with scripts/self_distill.py and pass it as data.path")
     if cfg.model.quantization == "nf4" and cfg.method.name != "medusa1":
         # Generating through a 4-bit model that is trained afterwards silently kills its gradients on CPU.
         raise UsageError(f"data.self_distill=true with model.quantization=nf4 is only for medusa1 (frozen backbone); "

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.errors import UsageError
 from models.loading import ModelLoadError
 from models.refs import locate
+from train.memory_model import MemoryModelError, Shape
 
 log = logging.getLogger("draftsmith")
 
@@ -100,7 +101,32 @@ def deepspeed_settings(cfg: DictConfig) -> dict[str, Any] | None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code, revision=cfg.model.revision)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"model.path={cfg.model.path}: cannot read its config ({str(e).splitlines()[0]})") from None
+    if stage == 3 and OmegaConf.select(cfg, "data.self_distill") and not OmegaConf.select(cfg, "data.features"):
+        param_bytes = 4 if cfg.model.dtype == "fp32" or not cfg.training.bf16 else 2
+        try:
+            params = Shape.from_config(config.to_dict(), str(cfg.model.path)).params()
+        except MemoryModelError as e:  # a family the memory model does not read: it fails when it gathers, if at all
+            log.warning("deepspeed=%s with data.self_distill: cannot size the gathered target (%s)", name, e)
+        else:
+            check_gather_fits(params * param_bytes, name)
     return resolve_deepspeed_config(cfg.deepspeed.config, config.get_text_config().hidden_size)
+
+
+GATHER_HEADROOM = 0.9  # of a GPU's free memory for the gathered target's weights; the rest for generation's KV cache
+
+
+def check_gather_fits(weight_bytes: int, name: str, free_bytes: int | None = None) -> None:
+    """data.self_distill under ZeRO-3 gathers the whole target on every rank while it answers
+    (train.self_distill.trainer_datasets): refuse in one line, before it loads, when its weights would not fit in
+    GATHER_HEADROOM of this rank's free GPU memory (`free_bytes`, else read from the device; no check on a CPU)."""
+    if free_bytes is None:
+        if not torch.cuda.is_available():
+            return
+        free_bytes = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
+    if weight_bytes > GATHER_HEADROOM * free_bytes:
+        raise UsageError(f"data.self_distill=true with deepspeed={name} gathers the whole target on every GPU to "
+                         f"generate ({weight_bytes / 2**30:.1f} GiB of weights, {free_bytes / 2**30:.1f} GiB free): "
+                         f"write the answers first with scripts/self_distill.py and pass them as data.path")
 
 
 def init_deepspeed_comm() -> None:

@@ -36,6 +36,7 @@ from inference.api import Engine
 from inference.collect.self_distill import DistillStats, SelfDistillConfig, answer_id, self_distill
 from inference.collect.shared import POLL_SECONDS, RankFiles, World, claim, share, wait_until_done
 from inference.engine.drafter import NoDrafter
+from train.distributed import gathered, is_partitioned
 
 log = logging.getLogger("draftsmith")
 
@@ -106,9 +107,8 @@ def with_distilled_train(cfg: DictConfig, tokenizer: Any, path: Path, datasets: 
 
 def on_device(target: nn.Module, device: torch.device) -> nn.Module:
     """`target` on `device`, where the trainer trains it: moved, unless it is a 4-bit model, which train.task loads
-    there (device_map) and which cannot move. (ZeRO-3 targets are partitioned and cannot generate: train.checks
-    refuses data.self_distill with them.)"""
-    if getattr(target, "hf_quantizer", None) is not None:
+    there (device_map) and which cannot move, or a ZeRO-3 one, whose shards zero.Init put on the rank's device."""
+    if getattr(target, "hf_quantizer", None) is not None or any(map(is_partitioned, target.parameters())):
         return target
     return target.to(device)
 
@@ -118,10 +118,16 @@ def trainer_datasets(cfg: DictConfig, target: nn.Module, tokenizer: Any, args: A
     """A trainer's `datasets` under data.self_distill: the target, moved to the training device (args.device) first,
     answers this rank's share into output_dir/self_distill/ (share_answers; args.process_index of
     args.world_size), then every rank reads the train split back from all the ranks' files. The target is left on
-    args.device in the mode it came in."""
+    args.device in the mode it came in.
+
+    A ZeRO-3 target (loaded partitioned) is gathered whole on every rank while it answers: one all-gather when the
+    ranks start and one short collective when they leave, after share_answers' file-polling wait, so no collective
+    waits on a generation. The whole target must then fit on one device (train.distributed.check_gather_fits refuses
+    one that would not, before it loads)."""
     target = on_device(target, args.device)
     world = World(args.process_index, args.world_size)
-    share_answers(cfg, target, tokenizer, chosen_conversations(cfg), output_dir, world)
+    with gathered(target.parameters()):
+        share_answers(cfg, target, tokenizer, chosen_conversations(cfg), output_dir, world)
     return with_distilled_train(cfg, tokenizer, output_dir / SELF_DISTILL_DIR, datasets)
 
 
