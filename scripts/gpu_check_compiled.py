@@ -11,10 +11,11 @@ EAGLE-3 draft step (random drafter) <= 1.5 ms.
   16-node tree, so no shape beyond the curve's), eager and compiled: tokens/s without compilation, τ, compile
   seconds, the draft phase's ms a step (EAGLE-3's: its draft step) and the rows whose answer is the eager engine's
   (bf16: a compiled graph rounds differently, so a near tie may flip).
-- `identical_fp32`: a small fp32 random Llama (TF32 off), plain and prompt lookup: compiled answers must equal eager
-  ones token for token.
+- `identical_fp32`: a small fp32 random Llama (TF32 off), plain, prompt lookup and EAGLE-3: compiled answers must
+  equal eager ones token for token, and EAGLE-3's τ with its draft compiled (CUDA graphs) its τ eager.
 Every run shares one cache capacity (`cache_slots`), so each bucket compiles once for the curve and the decoding:
-three compilations of the 8B step in all (each about a minute with CUDA graphs; prompt lookup's chains would add five).
+three compilations of the 8B step in all (each about a minute with CUDA graphs; prompt lookup's chains would add five),
+and EAGLE-3's draft layer step and logits, a few small graphs (pending pairs in buckets, one per tree level).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from train.memory_model import Shape  # the standard library only: no package ch
 
 NODES = (0, 8, 15)  # drafted nodes of the step curve: buckets 1, 9 and 16
 DRAFTERS = ("plain", "eagle3")
+FP32_DRAFTERS = ("plain", "prompt_lookup", "eagle3")  # EAGLE-3's compiled draft must accept what its eager one does
 
 
 def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: int, context: int, reps: int,
@@ -61,13 +63,12 @@ def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: in
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        made = runs(small, [[t % SMALL.vocab for t in p[:40]] for p in ids], min(new_tokens, 32), 256,
-                    ("plain", "prompt_lookup"))
+        made = runs(small, [[t % SMALL.vocab for t in p[:40]] for p in ids], min(new_tokens, 32), 256, FP32_DRAFTERS)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     result["identical_fp32"] = {d: {"rows": len(ids), "identical": sum(
-        a == b for a, b in zip(made[f"{d}.compiled"]["answers"], made[f"{d}.eager"]["answers"]))}
-        for d in ("plain", "prompt_lookup")}
+        a == b for a, b in zip(made[f"{d}.compiled"]["answers"], made[f"{d}.eager"]["answers"])),
+        "tau_eager": made[f"{d}.eager"]["tau"], "tau_compiled": made[f"{d}.compiled"]["tau"]} for d in FP32_DRAFTERS}
     return result
 
 

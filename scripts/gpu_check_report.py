@@ -112,7 +112,8 @@ def compiled_lines(compiled: Any) -> list[str]:
                      f"{row['draft_ms']:.2f} ms  "
                      f"{row['speedup_over_eager_plain']:.2f}x eager plain  compile {row['compile_s']:.1f} s  "
                      f"rows equal to eager {row['rows_equal_eager']}")
-    same = ", ".join(f"{d} {r['identical']}/{r['rows']}" for d, r in compiled["identical_fp32"].items())
+    same = ", ".join(f"{d} {r['identical']}/{r['rows']} (τ {_f(r['tau_eager'])} eager, {_f(r['tau_compiled'])} "
+                     f"compiled)" for d, r in compiled["identical_fp32"].items())
     return lines + [f"  fp32 compiled answers identical to eager: {same}"]
 
 

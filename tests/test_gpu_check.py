@@ -202,4 +202,5 @@ def test_the_compiled_section_times_both_steps_and_compiled_fp32_answers_equal_e
     assert all(positive(row["tokens_per_s"]) and row["tau"] >= 1.0 for row in c["decode"].values())
     assert c["decode"]["plain.eager"]["rows_equal_eager"] == 2  # --small: 2 prompts
     assert all(r["identical"] == r["rows"] == 2 for r in c["identical_fp32"].values())
+    assert c["identical_fp32"]["eagle3"]["tau_compiled"] == c["identical_fp32"]["eagle3"]["tau_eager"] > 1.0
     assert "compiled step (static cache, CUDA graphs)" in (out / "gpu_check.txt").read_text()

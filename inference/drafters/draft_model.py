@@ -13,16 +13,20 @@ Loading the draft LM and checking it against the target (from the models or thei
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
 from inference.drafters.draft_stop import DraftStop, StopTrace, parse_stop
+from inference.engine import static
 from inference.engine.cache import additive, keep_nodes, new_cache
+from inference.engine.compiled import network_call
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.tree import TreeBuffers, TreeError, build_tree, load_tree
 from inference.engine.verify import VerifyResult, greedy_argmax, sample, target_probs
@@ -38,12 +42,15 @@ FULL_LOGITS_MAX_BLOCK = 8  # draft blocks up to this long compute all their logi
 
 @dataclass(eq=False)
 class DraftCache:
-    """The draft model's per-run state. Slot conventions follow inference.engine.cache: `valid` marks real tokens."""
+    """The draft model's per-run state. Slot conventions follow inference.engine.cache: `valid` marks real tokens.
+    Over a static target cache (fixed step shapes) the draft model's cache is static too, of the target's capacity:
+    after the prompt every draft forward has one of a few shapes (the pending pair [B, 2], then [B, k] per depth)."""
 
     cache: DynamicCache  # draft keys/values of committed tokens, minus `pending`, plus the last step's drafts
     valid: torch.Tensor  # [B, S] bool
     pending: torch.Tensor  # [B, P] committed tokens the draft model has not read; the last column is state.root
     pending_valid: torch.Tensor  # [B, P] bool: False marks a filler slot (a hole)
+    step: Callable[..., Any]  # the draft model's forward after the prompt: compiled when the run compiles
     drafted: int = 0  # draft slots appended by the last propose: (depth - 1) x branches
     depth: int = 0  # draft depth of the last propose (gamma unless the stop policy ended it earlier)
 
@@ -155,8 +162,10 @@ class DraftModelDrafter:
         """The first propose of a run: the whole prompt plus the root are pending."""
         pad_mask = state.valid[:, : state.prompt.shape[1]]  # before any step, state.valid is the prompt's pad mask
         ones = torch.ones_like(state.root[:, None], dtype=torch.bool)
+        fixed = static.static_layers(state.cache)
         return DraftCache(
-            cache=new_cache(),
+            cache=static.new_static_cache(static.capacity(state.cache)) if fixed else new_cache(),
+            step=network_call(self.model, "forward") if state.compile else self.model,
             valid=pad_mask[:, :0],
             pending=torch.cat([state.prompt, state.root[:, None]], dim=1),
             pending_valid=torch.cat([pad_mask, ones], dim=1),
@@ -170,23 +179,27 @@ class DraftModelDrafter:
         sees only itself, so no softmax row is empty). tree_cols [Q, W + Q]: what each query sees of this step's W
         draft slots already cached and of the new block (tree attention); earlier slots follow run.valid."""
         b, q = ids.shape
-        mask = None
+        fixed = static.static_layers(run.cache)
+        visible = None
         if tree_cols is not None:
             w = tree_cols.shape[1] - q
             prefix = run.valid[:, None, : run.valid.shape[1] - w].expand(b, q, -1)
             visible = torch.cat([prefix, tree_cols[None].expand(b, -1, -1)], dim=-1)  # [B, Q, S + Q]
-            mask = additive(visible[:, None], self.model.get_input_embeddings().weight.dtype)
-        elif not (bool(run.valid.all()) and bool(new_valid.all())):
+        elif fixed or not (bool(run.valid.all()) and bool(new_valid.all())):
             causal = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril()
             new = (causal[None] & new_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=ids.device)[None]
             visible = torch.cat([run.valid[:, None, :].expand(b, q, -1), new], dim=-1)  # [B, Q, S + Q]
-            mask = additive(visible[:, None], self.model.get_input_embeddings().weight.dtype)
+        if visible is not None and fixed:  # [B, Q, C]: a static cache's free slots hidden
+            static.ensure_capacity(run.cache, visible.shape[-1])
+            visible = F.pad(visible, (0, static.capacity(run.cache) - visible.shape[-1]))
+        mask = None if visible is None else additive(visible[:, None], self.model.get_input_embeddings().weight.dtype)
         # A short block keeps every position's logits: HF's logits_to_keep slices the hidden states to a view whose
         # batch stride is not the dense one, and torch's CPU bf16 linear then leaves its fast kernel (a 1-row
         # lm_head took ~30x longer: 450-500 ms instead of 15 ms for 49,152 x 576 on this machine).
         whole = q <= FULL_LOGITS_MAX_BLOCK
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions.expand(b, q), cache=run.cache,
-                         use_cache=True, logits_to_keep=0 if whole else keep)
+        step = run.step if run.valid.shape[1] else self.model  # the prompt: a new length each request, never compiled
+        out = step(input_ids=ids, attention_mask=mask, position_ids=positions.expand(b, q), cache=run.cache,
+                   use_cache=True, logits_to_keep=0 if whole else keep)
         run.valid = torch.cat([run.valid, new_valid], dim=1)
         return out.logits[:, -keep:] if whole else out.logits
 

@@ -25,13 +25,17 @@ Rows accepting different counts leave holes (invalid slots), as in inference.eng
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from inference.engine import static
 from inference.engine.cache import additive, new_cache
+from inference.engine.compiled import network_call
 from inference.engine.drafter import DecodeState, Draft
 from inference.engine.tree import TreeBuffers, TreeError, build_tree, greedy_tree_choices, load_tree
 from inference.engine.verify import VerifyResult
@@ -193,6 +197,18 @@ def eagle3_tree(spec: object, acceptance: list[list[float]], device: torch.devic
     return load_tree(spec, num_heads=MAX_DEPTH, topk=MAX_RANK, device=device)
 
 
+def pad_pending(pending: Pending, width: int) -> Pending:
+    """`pending` right-padded to `width` pairs with holes (repeating the last pair's inputs; valid False)."""
+    pad = width - pending.tokens.shape[1]
+
+    def extend(x: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+        last = x[:, -1:] if fill is None else fill
+        return torch.cat([x, last.expand(x.shape[0], pad, *x.shape[2:])], dim=1)
+
+    return Pending(features=extend(pending.features), tokens=extend(pending.tokens),
+                   positions=extend(pending.positions), valid=extend(pending.valid, pending.valid.new_zeros(1, 1)))
+
+
 def check_fits(tree: TreeBuffers | DynamicTree, draft_vocab: int) -> None:
     """TreeError when `tree` is deeper than MAX_DEPTH or asks for ranks the draft cannot rank (MAX_RANK, or a draft
     vocabulary of fewer tokens)."""
@@ -218,11 +234,14 @@ class Pending:
 
 @dataclass(eq=False)
 class DraftRun:
-    """The drafter's per-run state (DecodeState.drafter_state)."""
+    """The drafter's per-run state (DecodeState.drafter_state). Over a static target cache (fixed step shapes) the
+    draft's cache is static too, of the target's capacity C, and every draft forward attends over all C slots."""
 
     cache: DynamicCache  # the draft layer's keys / values: committed pairs, then this step's draft slots
     valid: torch.Tensor  # [B, S] bool
     pending: Pending
+    step: Callable[..., torch.Tensor]  # Eagle3Draft.step, compiled when the run compiles (DecodeState.compile)
+    logits: Callable[[torch.Tensor], torch.Tensor]  # Eagle3Draft.logits, the same
     drafted: int = 0  # draft slots the last propose appended (dropped by update)
 
 
@@ -262,7 +281,7 @@ class Eagle3Drafter:
                 hidden = outputs[:, level.parent_query]  # [B, Q, D] each query's parent's output
                 positions = (state.next_pos + d - 1)[:, None].expand(b, len(level.queries))
                 outputs = self._level(run, hidden, tokens[:, level.queries], positions, level.visible)
-            logits = self.draft.logits(outputs)  # [B, Q, S]
+            logits = run.logits(outputs)  # [B, Q, S]
             top = logits.topk(self.tree.topk, dim=-1).indices  # [B, Q, R]
             logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, top)  # [B, Q, R]
             picked = top[:, level.child_query, level.child_rank]  # [B, C]
@@ -276,7 +295,7 @@ class Eagle3Drafter:
         for `depth` levels, then keep the best `num_nodes` - 1 candidates (`DynamicTree`)."""
         spec: DynamicTree = self.tree
         b = root.shape[0]
-        top = self._top(root, spec.topk)  # ([B, 1, R] log-probs, [B, 1, R] target ids)
+        top = self._top(run, root, spec.topk)  # ([B, 1, R] log-probs, [B, 1, R] target ids)
         found = Candidates(paths=[], parent=[], tokens=[], logp=[])
         newest = found.add(-1, top[1][:, 0], top[0][:, 0])
         slot: dict[int, int] = {}  # expanded candidate -> its draft slot this step
@@ -291,7 +310,7 @@ class Eagle3Drafter:
             tokens = torch.stack([found.tokens[n] for n in queries], dim=1)  # [B, Q]
             positions = (state.next_pos + d - 1)[:, None].expand(b, len(queries))
             outputs = self._level(run, hidden, tokens, positions, visible.to(root.device))
-            logp, ids = self._top(outputs, spec.topk)  # [B, Q, R]
+            logp, ids = self._top(run, outputs, spec.topk)  # [B, Q, R]
             newest, query_of = [], {}
             for q, node in enumerate(queries):
                 children = found.add(node, ids[:, q], found.logp[node][:, None] + logp[:, q])
@@ -305,9 +324,9 @@ class Eagle3Drafter:
         scores = torch.stack([torch.zeros_like(logp[0]), *logp], dim=1).exp() if logp else None  # [B, K]
         return Draft(tree=tree, tokens=torch.stack([state.root.to(root.device), *drafted], dim=1), scores=scores)
 
-    def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(self, run: DraftRun, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best draft tokens of each output [B, Q, D]: (log-probabilities [B, Q, k] float32, target ids)."""
-        logp, ids = torch.log_softmax(self.draft.logits(outputs).float(), dim=-1).topk(k, dim=-1)
+        logp, ids = torch.log_softmax(run.logits(outputs).float(), dim=-1).topk(k, dim=-1)
         return logp, self.vocab[ids]
 
     def update(self, state: DecodeState, draft: Draft, result: VerifyResult) -> None:
@@ -331,11 +350,16 @@ class Eagle3Drafter:
         )
 
     def _start(self, state: DecodeState) -> DraftRun:
-        """The first propose: every prompt position's features paired with the token after it (the root last)."""
+        """The first propose: every prompt position's features paired with the token after it (the root last). The
+        draft's cache is static when the target's is (of the same capacity), its step and logits compiled when the
+        run compiles."""
         t = state.prompt.shape[1]
         pad_mask = state.valid[:, :t]  # before any step, state.valid is the prompt's pad mask
+        fixed = static.static_layers(state.cache)
         return DraftRun(
-            cache=new_cache(),
+            cache=static.new_static_cache(static.capacity(state.cache)) if fixed else new_cache(),
+            step=network_call(self.draft, "step") if state.compile else self.draft.step,
+            logits=network_call(self.draft, "logits") if state.compile else self.draft.logits,
             valid=pad_mask[:, :0],
             pending=Pending(
                 features=state.features,  # [B, T, F]
@@ -346,13 +370,23 @@ class Eagle3Drafter:
         )
 
     def _feed(self, run: DraftRun, pending: Pending) -> torch.Tensor:
-        """Read the pending pairs into the cache (causal among themselves, holes seen by no one) -> [B, P, D]."""
-        b, p = pending.tokens.shape
+        """Read the pending pairs into the cache (causal among themselves, holes seen by no one) -> [B, P, D]. Over a
+        static cache the pairs of a decoding step run as static.bucket(P) (padding pairs are holes, cropped after)."""
+        p = pending.tokens.shape[1]
+        width = static.bucket(p) if static.static_layers(run.cache) and run.valid.shape[1] else p
+        if width > p:
+            out = self._feed(run, pad_pending(pending, width))[:, :p]
+            run.cache.crop(p - width)
+            run.valid = run.valid[:, : run.valid.shape[1] - (width - p)]
+            return out
+        b = pending.tokens.shape[0]
         causal = torch.ones(p, p, dtype=torch.bool, device=pending.valid.device).tril()
         own = (causal[None] & pending.valid[:, None, :]) | torch.eye(p, dtype=torch.bool, device=causal.device)[None]
         visible = torch.cat([run.valid[:, None, :].expand(b, p, -1), own], dim=-1)  # [B, P, S + P]
         hidden = self.draft.fuse(pending.features)
-        out = self._forward(run, hidden, pending.tokens, pending.positions, visible)
+        prompt = run.valid.shape[1] == 0  # the prompt's pairs: a new length each request, so never compiled
+        out = self._forward(run, hidden, pending.tokens, pending.positions, visible,
+                            step=self.draft.step if prompt else run.step)
         run.valid = torch.cat([run.valid, pending.valid], dim=1)
         return out
 
@@ -368,8 +402,13 @@ class Eagle3Drafter:
         return out
 
     def _forward(self, run: DraftRun, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                 visible: torch.Tensor) -> torch.Tensor:
+                 visible: torch.Tensor, step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """One draft forward of Q pairs seeing `visible` [B, Q, S + Q] (the cache after they are written) ->
+        [B, Q, D], through `step` (default: the run's)."""
         dtype = self.draft.fc.weight.dtype
         embeds = self.embed(tokens)
-        return self.draft.step(hidden.to(dtype), embeds.to(dtype), positions, additive(visible[:, None], dtype),
-                               run.cache)
+        if static.static_layers(run.cache):  # [B, Q, S + Q] -> [B, Q, C]: the free slots hidden
+            static.ensure_capacity(run.cache, visible.shape[-1])
+            visible = F.pad(visible, (0, static.capacity(run.cache) - visible.shape[-1]))
+        step = step or run.step
+        return step(hidden.to(dtype), embeds.to(dtype), positions, additive(visible[:, None], dtype), run.cache)

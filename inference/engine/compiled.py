@@ -10,15 +10,21 @@ weight reads on an H200). On the CPU inductor fuses the elementwise work between
 Python's per-module overhead; the few-row linears stay the engine's own kernels where they are routed
 (inference.kernels.cpu_linear registers them as custom ops), stock ones elsewhere.
 
+A drafter's network compiles the same way (`network_call`: EAGLE-3's draft layer step and its logits; the drafter
+runs them over its own static cache of the target's capacity, the per-step pairs in node buckets). Medusa's heads are
+one batched matmul per layer over a fixed [H, B, D] and a draft model is a whole LM: neither is compiled yet.
+
 The prefill is not compiled (its length changes with every prompt). `TargetStep.compiles` says whether the next call
 meets a shape not seen yet, so that the loop can bill its time to `compile` instead of `forward`: the first step of
-each shape includes its compilation (seconds to minutes), later ones do not.
+each shape includes its compilation (seconds to minutes), later ones do not. A drafter network's new shapes are
+timed by `NetworkCall` and moved from `draft` to `compile` by the loop.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,13 +56,20 @@ class TargetStep:
         if not self.graphs:
             return self.forward(**inputs)
         torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous replay's outputs may be overwritten
-        out = self.forward(**inputs)
         # a replay writes its outputs into the same memory every time; the loop keeps logits and hidden states past
         # the next step (Jacobi reads the last logits, EAGLE-3 the last features), so they leave the graph's pool
-        out.logits = out.logits.clone()
-        if out.hidden_states is not None:
-            out.hidden_states = tuple(h.clone() for h in out.hidden_states)
-        return out
+        return copied_out(self.forward(**inputs))
+
+
+def copied_out(out: Any) -> Any:
+    """A CUDA-graph replay's output with its tensors copied out of the graph's memory pool: a tensor, or a model
+    output's logits and hidden states."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    out.logits = out.logits.clone()
+    if getattr(out, "hidden_states", None) is not None:
+        out.hidden_states = tuple(h.clone() for h in out.hidden_states)
+    return out
 
 
 _steps: weakref.WeakKeyDictionary[torch.nn.Module, TargetStep] = weakref.WeakKeyDictionary()
@@ -71,6 +84,63 @@ def target_step(model: torch.nn.Module, compiled: bool) -> TargetStep:
     return _steps[model]
 
 
+class NetworkCall:
+    """A drafter network's forward (`fn`, a module's method) compiled as the target's step is: static shapes, CUDA
+    graphs on CUDA (outputs copied out of the graph's pool: the drafter keeps one level's outputs for the next), inductor
+    elsewhere. A call that meets a shape not seen yet compiles; its seconds go to `compile_seconds()` so that the loop
+    can bill them to `compile` instead of `draft`."""
+
+    def __init__(self, fn: Callable[..., Any], cuda: bool) -> None:
+        _raise_recompile_limits()
+        self.forward = torch.compile(fn, dynamic=False, mode="reduce-overhead" if cuda else None)
+        self.graphs = cuda
+        self.seen: set[tuple[Any, ...]] = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = (*map(shape_key, args), *((k, shape_key(v)) for k, v in sorted(kwargs.items())))
+        new = key not in self.seen
+        start = time.perf_counter()
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.forward(*args, **kwargs)
+        if self.graphs:
+            out = copied_out(out)
+        if new:
+            self.seen.add(key)
+            if self.graphs:
+                torch.cuda.synchronize()
+            _billed[0] += time.perf_counter() - start
+        return out
+
+
+def shape_key(value: Any) -> Any:
+    """What decides a compiled network's graph for one argument: a tensor's shape, dtype and device; a cache's
+    capacity and batch (its buffers' shapes); None and other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype, value.device
+    if static.static_layers(value):
+        layer = value.layers[0] if value.layers else None
+        return "cache", static.capacity(value), getattr(layer, "batch_size", None)
+    return value if value is None or isinstance(value, (bool, int, float, str)) else type(value)
+
+
+_billed = [0.0]  # seconds of NetworkCall calls that compiled a new shape, in this process
+_networks: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, NetworkCall]] = weakref.WeakKeyDictionary()
+
+
+def compile_seconds() -> float:
+    """Seconds drafter networks have spent compiling new shapes so far (NetworkCall), in this process."""
+    return _billed[0]
+
+
+def network_call(module: torch.nn.Module, name: str) -> NetworkCall:
+    """`module.<name>` compiled (NetworkCall), made once per module and method and shared by later generations."""
+    calls = _networks.setdefault(module, {})
+    if name not in calls:
+        calls[name] = NetworkCall(getattr(module, name), on_cuda(module))
+    return calls[name]
+
+
 RECOMPILE_LIMIT = 256  # graphs of one forward: every (batch, bucket, capacity) is one; dynamo's default stops at 8
 
 
@@ -83,10 +153,14 @@ def _compile(model: torch.nn.Module) -> Any:
     """torch.compile of the model's forward: CUDA graphs on CUDA, inductor's default elsewhere; shapes static (a
     new shape compiles anew rather than one dynamic graph that serves all). Dynamo runs a function eagerly, with a
     warning, past its recompile limit; the limits are raised (process-wide) so that every shape keeps its graph."""
+    _raise_recompile_limits()
+    return torch.compile(model.forward, dynamic=False, mode="reduce-overhead" if on_cuda(model) else None)
+
+
+def _raise_recompile_limits() -> None:
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
-    return torch.compile(model.forward, dynamic=False, mode="reduce-overhead" if on_cuda(model) else None)
 
 
 def on_cuda(model: torch.nn.Module) -> bool:
