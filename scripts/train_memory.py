@@ -141,7 +141,8 @@ def run_measure(shape: Shape, plan: list[TrainSetup], device: str) -> None:
     print(f"{'method':9}{'B':>3}{'T':>6}{'K':>3}{'measured':>14}{'predicted':>14}{'error':>8}{'seconds':>9}")
     for setup in plan:
         m = measure(shape, setup, device)
-        print(f"{setup.method:9}{setup.batch:3d}{setup.seq:6d}{setup.steps:3d}{gib(m.measured):>14}"
+        k = "-" if setup.method == "cllm" else setup.steps  # CLLM has no heads or TTT steps
+        print(f"{setup.method:9}{setup.batch:3d}{setup.seq:6d}{k:>3}{gib(m.measured):>14}"
               f"{gib(m.predicted):>14}{m.error:+8.1%}{m.seconds:9.1f}", flush=True)
 
 

@@ -140,3 +140,31 @@ def test_measured_peak_is_within_15_percent():
     assert result.returncode == 0, result.stderr[-3000:]
     errors = [float(e) for e in re.findall(r"([+-]\d+\.\d)%", result.stdout)]
     assert len(errors) == 2 and all(abs(e) < 15 for e in errors), result.stdout
+
+
+def test_cllm_measurement_batches_are_the_collators_rows_of_seq_tokens():
+    """Unpacked: prompt + J - 1 fixed points + the last block's state, T = seq, and the AR row as long; packed:
+    prompt + answer + every state less its last token, also T = seq, every block valid."""
+    from train.memory_measure import cllm_batch
+
+    shape = Shape("s", 64, 2, 4, 4, 128, 500)
+    unpacked = cllm_batch(shape, TrainSetup("cllm", batch=3, seq=100, steps=1, block_size=8), torch.device("cpu"), 0)
+    assert unpacked["input_ids"].shape == unpacked["ar_input_ids"].shape == (3, 100)
+    assert (unpacked["block_start"] == 92).all() and unpacked["attention_mask"].all()
+    packed = cllm_batch(shape, TrainSetup("cllm", batch=3, seq=100, steps=1, block_size=8, packing=True),
+                        torch.device("cpu"), 0)
+    assert packed["input_ids"].shape == (3, 100) and packed["visible"].shape == (3, 100, 100)
+    assert packed["block_valid"].shape == (3, 3) and packed["block_valid"].all()  # 50 // 15 blocks of 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [[], ["--packing"]])
+def test_measured_cllm_peak_is_within_15_percent(packing):
+    """Two real CLLM steps (LoRA, CE) of a random Llama on random trajectories, unpacked and packed."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_memory.py"), "--measure", "--shape",
+                             "hidden=256,layers=2,heads=4,intermediate=512,vocab=8192", "--method", "cllm",
+                             "--batch", "2", "--seq", "256", "--dtype", "fp32", *packing],
+                            capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    errors = [float(e) for e in re.findall(r"([+-]\d+\.\d)%", result.stdout)]
+    assert len(errors) == 1 and abs(errors[0]) < 15, result.stdout

@@ -1,7 +1,8 @@
 """Measured peak memory of real training steps, to check train/memory_model.py against.
 
-A random Llama of the given shapes, the method's own code path (train/medusa1.py or train/eagle3.py: build,
-forward_loss, backward, AdamW step, zero_grad as HF Trainer does), two steps (the second runs with the optimizer's
+A random Llama of the given shapes, the method's own code path (train/medusa1.py, train/eagle3.py or train/cllm.py:
+build, forward_loss, backward, AdamW step, zero_grad as HF Trainer does; CLLM's batch is random trajectories laid
+out by its own collator, `cllm_batch`), two steps (the second runs with the optimizer's
 moments allocated). On CUDA the figure is torch.cuda.max_memory_allocated above what was allocated before the steps;
 on CPU it is the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set
 before the steps. glibc keeps freed blocks under its mmap threshold for reuse, so CPU runs should start with
@@ -24,7 +25,7 @@ from train.memory_model import Breakdown, Shape, TrainSetup, predict
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
-MEASURED_METHODS = ("medusa1", "eagle3")
+MEASURED_METHODS = ("medusa1", "eagle3", "cllm")
 
 
 @dataclass(frozen=True)
@@ -58,15 +59,20 @@ def method_config(setup: TrainSetup, model_path: str) -> DictConfig:
     values = OmegaConf.load(CONF / f"{setup.method}.yaml")
     values.pop("defaults", None)
     method = OmegaConf.merge(OmegaConf.structured(METHOD_SCHEMAS[setup.method]), values)
-    key = "num_heads" if setup.method == "medusa1" else "ttt_steps"
-    method.name, method[key] = setup.method, setup.steps
+    method.name = setup.method
+    if setup.method != "cllm":
+        method["num_heads" if setup.method == "medusa1" else "ttt_steps"] = setup.steps
     if setup.method == "medusa1":
         method.share_lm_head = setup.share_lm_head
     if setup.method == "eagle3":
         method.teacher = "topk" if setup.teacher == "none" else setup.teacher
         method.soft_labels = 0.0 if setup.teacher == "none" else method.soft_labels
-    return OmegaConf.create({"method": method, "model": {"path": model_path, "trust_remote_code": False,
-                                                         "revision": None}})
+    if setup.method == "cllm":
+        method.update(trajectories="random", backbone=setup.backbone, lora_r=setup.lora_r, ar_loss=setup.ar_loss,
+                      packing=setup.packing, block_size=setup.block_size)
+    return OmegaConf.create({"method": method, "deepspeed": {"config": None},
+                             "model": {"path": model_path, "trust_remote_code": False, "revision": None,
+                                       "quantization": None}})
 
 
 class PeakMemory:
@@ -105,6 +111,36 @@ def random_batch(shape: Shape, setup: TrainSetup, device: torch.device, seed: in
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
+def cllm_batch(shape: Shape, setup: TrainSetup, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """B rows of T = setup.seq tokens as train/cllm.py's collators lay them out, from random trajectories of blocks of
+    N = setup.block_size (a random state and a fixed point each). Unpacked: each row is a prompt, J - 1 fixed-point
+    blocks and the last block's state (its AR row the prompt and all J blocks); packed: prompt + answer, then every
+    block's state less its last token, so the row is P + J·N + J·(N - 1) tokens."""
+    from data.jacobi import (PackedTrajectoryCollator, PackedTrajectoryDataset, TrajectoryCollator,
+                             TrajectoryDataset)  # deferred: only for cllm
+
+    n, t = setup.block_size, setup.seq
+    blocks = max(1, (t // 2) // (2 * n - 1 if setup.packing else n))
+    prompt = t - blocks * (2 * n - 1 if setup.packing else n)
+    if prompt < 1:
+        raise ValueError(f"measure cllm: seq {t} holds no prompt beside one block of {n}")
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(count: int) -> list[int]:
+        return torch.randint(3, shape.vocab, (count,), generator=g).tolist()
+
+    records = [{"prompt_ids": tokens(prompt), "answer_ids": [], "answer_labels": [],
+                "blocks": [{"states": [tokens(n), tokens(n)]} for _ in range(blocks)]} for _ in range(setup.batch)]
+    if setup.packing:
+        items = [PackedTrajectoryDataset(records)[d] for d in range(setup.batch)]  # one draw per record
+        batch = PackedTrajectoryCollator(pad_token_id=0)(items)
+    else:
+        dataset = TrajectoryDataset(records)
+        items = [dataset[i] for i, (_, j, _) in enumerate(dataset.index) if j == blocks - 1]  # the last block's
+        batch = TrajectoryCollator(pad_token_id=0)(items)
+    return {key: value.to(device) for key, value in batch.items()}
+
+
 def measure(shape: Shape, setup: TrainSetup, device: str = "cpu", seed: int = 0, steps: int = 2) -> Measurement:
     """Build a random target of `shape` in the setup's dtype and the method's trained module; run `steps` steps;
     return the measured peak next to the prediction (foreach set as torch picks it on this device)."""
@@ -112,6 +148,9 @@ def measure(shape: Shape, setup: TrainSetup, device: str = "cpu", seed: int = 0,
 
     if setup.method not in MEASURED_METHODS:
         raise ValueError(f"measure: {setup.method} is not measured here (one of {', '.join(MEASURED_METHODS)})")
+    if setup.method == "cllm" and setup.ar_loss == "kl" and setup.backbone == "full":
+        raise ValueError("measure: cllm with ar_loss kl and a full backbone loads a copy of the target's weights, "
+                         "which a random target has not got")
     dev = torch.device(device)
     setup = replace(setup, foreach=dev.type == "cuda", autocast=False)  # the steps run without autocast
     with tempfile.TemporaryDirectory(prefix="memory_measure_") as folder:
@@ -120,8 +159,10 @@ def measure(shape: Shape, setup: TrainSetup, device: str = "cpu", seed: int = 0,
         cfg = method_config(setup, folder)
         if setup.method == "medusa1":
             from train.medusa1 import Method  # deferred: only the measured method's trainer
-        else:
+        elif setup.method == "eagle3":
             from train.eagle3 import Method  # deferred: only the measured method's trainer
+        else:
+            from train.cllm import Method  # deferred: only the measured method's trainer
         method = Method(cfg)
     torch.manual_seed(seed)
     with dev:
@@ -129,7 +170,7 @@ def measure(shape: Shape, setup: TrainSetup, device: str = "cpu", seed: int = 0,
     model = method.build(target, tokenizer=None).to(dev)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=setup.foreach)
-    batch = random_batch(shape, setup, dev, seed)
+    batch = cllm_batch(shape, setup, dev, seed) if setup.method == "cllm" else random_batch(shape, setup, dev, seed)
     meter = PeakMemory(dev)
     meter.start()
     start = time.perf_counter()
