@@ -73,6 +73,7 @@ class Plan:
     max_new_tokens: int
     questions: tuple[Question, ...]
     threads: int  # T, compute threads of each engine
+    compile: bool = False  # our engine with --compile (its compile time left out of its tokens/s)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="compute threads of each engine (vLLM's bound to cores 0..T-1); default 1, what vLLM's own "
                         "binding leaves a 2-core host after reserving a core for its scheduler")
+    p.add_argument("--compile", action="store_true",
+                   help="our engine compiles its step and the draft's (vLLM compiles its own); compile time excluded")
     p.add_argument("--out", help="also write the figures and every answer's ids to this JSON file")
     return p
 
@@ -199,7 +202,7 @@ def plan(args: argparse.Namespace) -> Plan:
     base = base_name(drafter, args.base)
     target_dir = locate(model_settings(base).ref)  # a built-in model not yet built: its one line, before any load
     return Plan(python, drafter, kind, given_export, base, Path(target_dir), args.dtype, args.num_draft,
-                args.max_new_tokens, tuple(questions), args.threads)
+                args.max_new_tokens, tuple(questions), args.threads, args.compile)
 
 
 # -- 2. export ---------------------------------------------------------------------------------------------------------
@@ -229,14 +232,14 @@ def accepted_per_position(accepted_per_step: Sequence[int], num_draft: int) -> t
 def run_ours(p: Plan, folders: Folders) -> tuple[Run, list[list[int]], Any]:
     """(our Run, the prompts' ids, the engine)."""
     torch.set_num_threads(p.threads)
-    engine = load(str(folders.ours), base=p.base, dtype=p.dtype, tree=f"chain:{p.num_draft}")
+    engine = load(str(folders.ours), base=p.base, dtype=p.dtype, tree=f"chain:{p.num_draft}", compile=p.compile)
     prompts = [engine.encode(q.turns[0]) for q in p.questions]
     engine.generate_ids(prompts[0], max_new_tokens=WARMUP_TOKENS)
     tokens, walls, steps = [], [], []
     for ids in prompts:
         start = time.perf_counter()
         out = engine.generate_ids(ids, max_new_tokens=p.max_new_tokens)
-        walls.append(time.perf_counter() - start)
+        walls.append(time.perf_counter() - start - out.stats.times.compile)  # a new shape's compilation left out
         tokens.append(tuple(out.sequences[0]))
         steps.extend(step[0] for step in out.stats.accepted if step[0] >= 0)
     run = Run("draftsmith", tuple(tokens), tuple(walls), len(steps), accepted_per_position(steps, p.num_draft))
@@ -330,7 +333,8 @@ def verdict_text(first: int | None, v: TieVerdict | None) -> str:
 def report(p: Plan, ours: Run, theirs: Run, c: Comparison, version: str, decode: Any) -> list[str]:
     """The printed lines: per prompt, then per position, then the totals."""
     lines = [f"serve check: {p.drafter_type} drafter {p.drafter} on {p.base}, {p.dtype}, chain of {p.num_draft} "
-             f"drafts, greedy, max {p.max_new_tokens} new tokens, {p.threads} thread(s) each; vLLM {version}"]
+             f"drafts, greedy, max {p.max_new_tokens} new tokens, {p.threads} thread(s) each"
+             f"{', ours compiled' if p.compile else ''}; vLLM {version}"]
     verdicts = c.verdicts or (None,) * len(c.identical)
     for q, a, b, first, v in zip(p.questions, ours.tokens, theirs.tokens, c.first_difference, verdicts):
         verdict = verdict_text(first, v)
@@ -353,7 +357,7 @@ def report(p: Plan, ours: Run, theirs: Run, c: Comparison, version: str, decode:
 def result_record(p: Plan, ours: Run, theirs: Run, c: Comparison, version: str) -> dict[str, Any]:
     plan_fields = {"drafter": str(p.drafter), "drafter_type": p.drafter_type, "base": p.base, "dtype": p.dtype,
                    "num_draft": p.num_draft, "max_new_tokens": p.max_new_tokens, "threads": p.threads,
-                   "questions": [q.question_id for q in p.questions]}
+                   "compile": p.compile, "questions": [q.question_id for q in p.questions]}
     runs = {run.engine: {**asdict(run), "mean_acceptance_length": run.mean_acceptance_length,
                          "tokens_per_s": run.tokens_per_s} for run in (ours, theirs)}
     return {"plan": plan_fields, "vllm_version": version, "runs": runs, "comparison": asdict(c),
