@@ -421,7 +421,7 @@ def main(argv: list[str]) -> int:
                                                             plan.intermediate, plan.vocab)
         run_section("compiled", results, out, progress, lambda: compiled_section(
             shape, plan.prompts, plan.prompt_len, plan.new_tokens, plan.context, plan.reps, device, args.seed,
-            progress.say))
+            progress.say, out))
     if "drafters" in sections:
         with tempfile.TemporaryDirectory(prefix="gpu_check_drafters_") as scratch:
             run_section("drafters", results, out, progress, lambda: drafters_section(Path(scratch), plan, device,

@@ -20,7 +20,9 @@ and EAGLE-3's draft layer step and logits, a few small graphs (pending pairs in 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -33,7 +35,10 @@ FP32_DRAFTERS = ("plain", "prompt_lookup", "eagle3")  # EAGLE-3's compiled draft
 
 
 def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: int, context: int, reps: int,
-                     device: torch.device, seed: int, say: Callable[[str], None]) -> dict[str, Any]:
+                     device: torch.device, seed: int, say: Callable[[str], None], out: Path | None = None
+                     ) -> dict[str, Any]:
+    """The section's figures (module docstring). With `out`, what is measured so far is also written to
+    out/PARTIAL_NAME after each phase, so that a run cut off by its time limit still brings back its first figures."""
     from inference.bench.bandwidth import copy_bandwidth, weight_bytes  # deferred: after the package checks
     from inference.engine.loop import TREE_SLOTS  # deferred: after the package checks
     from inference.engine.static import capacity_for  # deferred: after the package checks
@@ -53,10 +58,12 @@ def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: in
         result["step_wall_s"][mode] = time.perf_counter() - start
         result[f"{mode}_plain_over_floor"] = cost.ms(0) / floor_ms
         result[f"{mode}_16_nodes_over_plain"] = cost.ms(15) / cost.ms(0)
+        keep(result, out)
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(3, shape.vocab, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
     say("compiled: decoding, eager and compiled")
     result["decode"] = compare(runs(model, ids, new_tokens, slots, DRAFTERS))
+    keep(result, out)
     del model
     say("compiled: fp32 identity on a small random Llama")
     small = random_llama(SMALL, torch.float32, device, seed)
@@ -70,6 +77,17 @@ def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: in
         a == b for a, b in zip(made[f"{d}.compiled"]["answers"], made[f"{d}.eager"]["answers"])),
         "tau_eager": made[f"{d}.eager"]["tau"], "tau_compiled": made[f"{d}.compiled"]["tau"]} for d in FP32_DRAFTERS}
     return result
+
+
+PARTIAL_NAME = "compiled_partial.json"
+
+
+def keep(result: dict[str, Any], out: Path | None) -> None:
+    """Write the figures so far to out/PARTIAL_NAME (Python's JSON: a NaN stays NaN; the report's is strict)."""
+    if out is not None:
+        from data.atomic import write_text  # deferred: after the package checks
+
+        write_text(out / PARTIAL_NAME, json.dumps(result, indent=2, default=str) + "\n")
 
 
 def random_llama(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:

@@ -204,3 +204,5 @@ def test_the_compiled_section_times_both_steps_and_compiled_fp32_answers_equal_e
     assert all(r["identical"] == r["rows"] == 2 for r in c["identical_fp32"].values())
     assert c["identical_fp32"]["eagle3"]["tau_compiled"] == c["identical_fp32"]["eagle3"]["tau_eager"] > 1.0
     assert "compiled step (static cache, CUDA graphs)" in (out / "gpu_check.txt").read_text()
+    partial = json.loads((out / "compiled_partial.json").read_text())  # kept after each phase: a cut-off run's figures
+    assert partial["floor_ms"] == c["floor_ms"] and set(partial["decode"]) == set(c["decode"])
