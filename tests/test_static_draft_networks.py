@@ -3,7 +3,8 @@ draft layer's own cache is static, of the target's capacity, its per-step pairs 
 logits compile; every step's drafted tree must equal the growing cache's, token for token and score for score, for a
 draft whose attention matters (a random o_proj: the cache, the masks and the bucket padding all change the drafts when
 wrong). A draft model (inference.drafters.draft_model): its cache is static and its forward compiles after the
-prompt."""
+prompt. A drafter network compiles on CUDA by default (DecodeConfig.compile_drafter); these tests ask for it on the
+CPU, and check that it is left eager there by default."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_the_compiled_draft_drafts_what_the_eager_one_drafts_and_each_shape_comp
     eager, eager_drafts = decode(model, drafter, static_cache=True)
     torch._dynamo.reset()  # graphs of the same shapes compiled by earlier tests would be reused, and not counted
     graphs = counters["stats"]["unique_graphs"]
-    compiled, compiled_drafts = decode(model, drafter, compile=True)
+    compiled, compiled_drafts = decode(model, drafter, compile=True, compile_drafter=True)  # on a CPU too
     assert compiled_drafts.drafts == eager_drafts.drafts and compiled.sequences == eager.sequences
     for a, b in zip(compiled_drafts.scores, eager_drafts.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -111,7 +112,7 @@ def test_the_compiled_draft_drafts_what_the_eager_one_drafts_and_each_shape_comp
     assert widths <= set(static.BUCKETS)
     target_capacities = {key[2] for key in target_step(model, True).seen}  # (B, bucket, C, ...)
     assert {key[-1] for key in step.seen} == {("cache", c, 3) for c in target_capacities}  # the target's C, 3 rows
-    again, _ = decode(model, drafter, compile=True)
+    again, _ = decode(model, drafter, compile=True, compile_drafter=True)
     assert again.sequences == compiled.sequences and again.stats.times.compile == 0
     assert compiled.stats.times.compile > 0
 
@@ -132,11 +133,23 @@ def test_a_draft_model_drafts_over_its_own_static_cache_through_its_compiled_for
     growing = run()
     torch._dynamo.reset()
     assert run(static_cache=True)[:2] == growing[:2]
-    compiled = run(compile=True)
+    compiled = run(compile=True, compile_drafter=True)  # on a CPU too (it defaults to CUDA only)
     assert compiled[:2] == growing[:2] and compiled[2] > 0
     forward = network_call(small, "forward")
     inputs = [dict(key) for key in forward.seen]  # keyword -> its shape key
     assert {shape[0] for shape in (k["input_ids"] for k in inputs)} == {(3, 2), (3, 3)}  # the pending pair, branches
     capacities = {key[2] for key in target_step(target, True).seen}  # (B, bucket, C, ...)
     assert {k["cache"] for k in inputs} == {("cache", c, 3) for c in capacities}
-    assert run(compile=True) == (*growing[:2], 0)
+    assert run(compile=True, compile_drafter=True) == (*growing[:2], 0)
+
+
+@needs_compiler
+def test_a_drafter_network_is_left_eager_on_a_cpu_unless_asked(single_thread):
+    """compile=True alone on a CPU compiles the target's step, not the draft's (compile_drafter=None: CUDA only,
+    where a draft step is bound by kernel launches rather than weight reads)."""
+    model = build_tiny_lm("llama", seed=31)
+    drafter = attentive_drafter(model, TREES["static"])
+    eager, eager_drafts = decode(model, drafter, static_cache=True)
+    compiled, compiled_drafts = decode(model, drafter, compile=True)
+    assert compiled_drafts.drafts == eager_drafts.drafts and compiled.stats.times.compile > 0  # the target compiled
+    assert not network_call(drafter.draft, "step").seen and not network_call(drafter.draft, "logits").seen

@@ -137,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
                    help="compute threads of each engine (vLLM's bound to cores 0..T-1); default 1, what vLLM's own "
                         "binding leaves a 2-core host after reserving a core for its scheduler")
     p.add_argument("--compile", action="store_true",
-                   help="our engine compiles its step and the draft's (vLLM compiles its own); compile time excluded")
+                   help="our engine compiles its step (and the draft's on a GPU), as vLLM does; compile time excluded")
     p.add_argument("--out", help="also write the figures and every answer's ids to this JSON file")
     return p
 

@@ -50,7 +50,7 @@ class DraftCache:
     valid: torch.Tensor  # [B, S] bool
     pending: torch.Tensor  # [B, P] committed tokens the draft model has not read; the last column is state.root
     pending_valid: torch.Tensor  # [B, P] bool: False marks a filler slot (a hole)
-    step: Callable[..., Any]  # the draft model's forward after the prompt: compiled when the run compiles
+    step: Callable[..., Any]  # the draft model's forward after the prompt: compiled when DecodeState.compile_drafter
     drafted: int = 0  # draft slots appended by the last propose: (depth - 1) x branches
     depth: int = 0  # draft depth of the last propose (gamma unless the stop policy ended it earlier)
 
@@ -165,7 +165,7 @@ class DraftModelDrafter:
         fixed = static.static_layers(state.cache)
         return DraftCache(
             cache=static.new_static_cache(static.capacity(state.cache)) if fixed else new_cache(),
-            step=network_call(self.model, "forward") if state.compile else self.model,
+            step=network_call(self.model, "forward") if state.compile_drafter else self.model,
             valid=pad_mask[:, :0],
             pending=torch.cat([state.prompt, state.root[:, None]], dim=1),
             pending_valid=torch.cat([pad_mask, ones], dim=1),

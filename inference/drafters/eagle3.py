@@ -240,7 +240,7 @@ class DraftRun:
     cache: DynamicCache  # the draft layer's keys / values: committed pairs, then this step's draft slots
     valid: torch.Tensor  # [B, S] bool
     pending: Pending
-    step: Callable[..., torch.Tensor]  # Eagle3Draft.step, compiled when the run compiles (DecodeState.compile)
+    step: Callable[..., torch.Tensor]  # Eagle3Draft.step, compiled when DecodeState.compile_drafter
     logits: Callable[[torch.Tensor], torch.Tensor]  # Eagle3Draft.logits, the same
     drafted: int = 0  # draft slots the last propose appended (dropped by update)
 
@@ -352,14 +352,14 @@ class Eagle3Drafter:
     def _start(self, state: DecodeState) -> DraftRun:
         """The first propose: every prompt position's features paired with the token after it (the root last). The
         draft's cache is static when the target's is (of the same capacity), its step and logits compiled when the
-        run compiles."""
+        run compiles its drafter (DecodeState.compile_drafter)."""
         t = state.prompt.shape[1]
         pad_mask = state.valid[:, :t]  # before any step, state.valid is the prompt's pad mask
         fixed = static.static_layers(state.cache)
         return DraftRun(
             cache=static.new_static_cache(static.capacity(state.cache)) if fixed else new_cache(),
-            step=network_call(self.draft, "step") if state.compile else self.draft.step,
-            logits=network_call(self.draft, "logits") if state.compile else self.draft.logits,
+            step=network_call(self.draft, "step") if state.compile_drafter else self.draft.step,
+            logits=network_call(self.draft, "logits") if state.compile_drafter else self.draft.logits,
             valid=pad_mask[:, :0],
             pending=Pending(
                 features=state.features,  # [B, T, F]

@@ -10,9 +10,10 @@ weight reads on an H200). On the CPU inductor fuses the elementwise work between
 Python's per-module overhead; the few-row linears stay the engine's own kernels where they are routed
 (inference.kernels.cpu_linear registers them as custom ops), stock ones elsewhere.
 
-A drafter's network compiles the same way (`network_call`: EAGLE-3's draft layer step and its logits; the drafter
-runs them over its own static cache of the target's capacity, the per-step pairs in node buckets). Medusa's heads are
-one batched matmul per layer over a fixed [H, B, D] and a draft model is a whole LM: neither is compiled yet.
+A drafter's network compiles the same way on CUDA (`network_call`: EAGLE-3's draft layer step and its logits, a draft
+model's forward; each drafter runs them over its own static cache of the target's capacity). On a CPU a draft step is
+bound by weight reads and compiled calls measured slower, so they stay eager there unless
+`DecodeConfig.compile_drafter` asks. Medusa's heads (one batched matmul per layer over [H, B, D]) are not compiled.
 
 The prefill is not compiled (its length changes with every prompt). `TargetStep.compiles` says whether the next call
 meets a shape not seen yet, so that the loop can bill its time to `compile` instead of `forward`: the first step of

@@ -52,7 +52,7 @@ class DecodeState:
     # [B, T | K, L*D] the hidden states a feature drafter reads (`feature_layers`), concatenated, at every position of
     # the last target forward: the prompt after prefill, then every tree node of the step; None for other drafters
     features: torch.Tensor | None = None
-    compile: bool = False  # the run compiles its fixed-shape steps (DecodeConfig.compile): a drafter's network too
+    compile_drafter: bool = False  # a drafter's network runs compiled (DecodeConfig.compile, compile_drafter)
 
 
 class Drafter(Protocol):
