@@ -79,3 +79,18 @@ def test_step_cost_fits_the_cost_of_a_drafted_node():
     assert StepCost.parse("0:100,2:110,4:150").node_cost() == pytest.approx((2 * 0.1 + 4 * 0.5) / 20)
     assert StepCost.parse("0:100,1:90").node_cost() == 0.0  # a drafted node that costs nothing: never negative
     assert StepCost.parse("0:100").node_cost() == 0.0
+
+
+def test_the_draft_step_script_times_each_mode_against_the_first_and_refuses_bad_modes(tmp_path, capsys):
+    """scripts/draft_step_cost.py on a random EAGLE-3 draft over a tiny target: a row per mode with its ratio to the
+    first (the first's is 1.00); a bad --modes is one line and exit status 2, before any model loads."""
+    script = load_script("draft_step_cost")
+    target = save_tiny_model(tmp_path / "target", initializer_range=0.2)
+    base = ["--base", str(target), "--dtype", "fp32", "--threads", "1", "--prompts", "1", "--new-tokens", "6",
+            "--rounds", "1"]
+    assert script.main([*base, "--modes", "eager,static"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| eager |")
+            or line.startswith("| static |")]
+    assert len(rows) == 2 and rows[0].split("|")[3].strip() == "1.00"
+    assert script.main([*base, "--modes", "eager,warp"]) == 2
+    assert "--modes takes distinct names among" in capsys.readouterr().err

@@ -75,7 +75,7 @@ class DecodeConfig:
     cache_slots: int | None = None  # the static cache's capacity (None: each request's own, inference.engine.static)
     # with compile, a drafter's network too (EAGLE-3's draft layer, a draft model). None: on CUDA only, where an eager
     # draft step is bound by kernel launches; on a CPU it is bound by weight reads and each compiled call adds guard
-    # checks (docs/design.md: SmolLM2's EAGLE-3 draft step 9.8 ms eager, 11.1 compiled)
+    # checks (docs/design.md: SmolLM2's EAGLE-3 draft step 10.2 ms eager, 11.3 compiled)
     compile_drafter: bool | None = None
     sync_phases: bool = False  # on CUDA, wait for the device at both ends of every timed phase: right per-phase
     # times (benchmarks) for the overlap of one phase's kernels with the next one's launches; off, only totals are right
