@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 def random_drafter(model: torch.nn.Module, draft_vocab: int, tree: str | None) -> object:
     """An untrained EAGLE-3 drafter for `model` (EAGLE-3's default fused layers, a draft vocabulary of at most the
     target's) drafting `tree`."""
-    from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree
-    from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, target_text_config
+    from inference.drafters.eagle3 import Eagle3Drafter, eagle3_tree  # deferred: only without --drafter
+    from models.eagle3 import Eagle3Config, Eagle3Draft, default_layers, target_text_config  # deferred: the same
 
     text = target_text_config(model)
     draft_vocab = min(draft_vocab, text["vocab_size"])

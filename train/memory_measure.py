@@ -116,8 +116,8 @@ def cllm_batch(shape: Shape, setup: TrainSetup, device: torch.device, seed: int)
     N = setup.block_size (a random state and a fixed point each). Unpacked: each row is a prompt, J - 1 fixed-point
     blocks and the last block's state (its AR row the prompt and all J blocks); packed: prompt + answer, then every
     block's state less its last token, so the row is P + J·N + J·(N - 1) tokens."""
-    from data.jacobi import (PackedTrajectoryCollator, PackedTrajectoryDataset, TrajectoryCollator,
-                             TrajectoryDataset)  # deferred: only for cllm
+    from data.jacobi import (  # deferred: only for cllm
+        PackedTrajectoryCollator, PackedTrajectoryDataset, TrajectoryCollator, TrajectoryDataset)
 
     n, t = setup.block_size, setup.seq
     blocks = max(1, (t // 2) // (2 * n - 1 if setup.packing else n))
