@@ -43,7 +43,7 @@ def drafters(model: nn.Module) -> dict[str, object]:
         "lookahead": LookaheadDrafter(),
         "medusa": MedusaDrafter(lm_head_heads(model, 3), load_tree("default", num_heads=3, topk=10)),  # 16 nodes
         "eagle3": Eagle3Drafter(lm_head_eagle3(model), tree, model.get_input_embeddings()),  # trees, features, hidden
-        "draft_model": DraftModelDrafter(model, 3),  # its own static cache beside the target's, compiled with it
+        "draft_model": DraftModelDrafter(model, 3),  # its own static cache beside the target's
     }
 
 

@@ -120,8 +120,9 @@ def cllm_batch(shape: Shape, setup: TrainSetup, device: torch.device, seed: int)
         PackedTrajectoryCollator, PackedTrajectoryDataset, TrajectoryCollator, TrajectoryDataset)
 
     n, t = setup.block_size, setup.seq
-    blocks = max(1, (t // 2) // (2 * n - 1 if setup.packing else n))
-    prompt = t - blocks * (2 * n - 1 if setup.packing else n)
+    per_block = 2 * n - 1 if setup.packing else n  # row tokens a block adds: its answer (and its state, packed)
+    blocks = max(1, (t // 2) // per_block)
+    prompt = t - blocks * per_block
     if prompt < 1:
         raise ValueError(f"measure cllm: seq {t} holds no prompt beside one block of {n}")
     g = torch.Generator().manual_seed(seed)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -189,9 +188,8 @@ class DraftModelDrafter:
             causal = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril()
             new = (causal[None] & new_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=ids.device)[None]
             visible = torch.cat([run.valid[:, None, :].expand(b, q, -1), new], dim=-1)  # [B, Q, S + Q]
-        if visible is not None and fixed:  # [B, Q, C]: a static cache's free slots hidden
-            static.ensure_capacity(run.cache, visible.shape[-1])
-            visible = F.pad(visible, (0, static.capacity(run.cache) - visible.shape[-1]))
+        if visible is not None and fixed:
+            visible = static.over_capacity(run.cache, visible)  # [B, Q, C]
         mask = None if visible is None else additive(visible[:, None], self.model.get_input_embeddings().weight.dtype)
         # A short block keeps every position's logits: HF's logits_to_keep slices the hidden states to a view whose
         # batch stride is not the dense one, and torch's CPU bf16 linear then leaves its fast kernel (a 1-row

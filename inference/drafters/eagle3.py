@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -407,8 +406,7 @@ class Eagle3Drafter:
         [B, Q, D], through `step` (default: the run's)."""
         dtype = self.draft.fc.weight.dtype
         embeds = self.embed(tokens)
-        if static.static_layers(run.cache):  # [B, Q, S + Q] -> [B, Q, C]: the free slots hidden
-            static.ensure_capacity(run.cache, visible.shape[-1])
-            visible = F.pad(visible, (0, static.capacity(run.cache) - visible.shape[-1]))
+        if static.static_layers(run.cache):
+            visible = static.over_capacity(run.cache, visible)  # [B, Q, C]
         step = step or run.step
         return step(hidden.to(dtype), embeds.to(dtype), positions, additive(visible[:, None], dtype), run.cache)

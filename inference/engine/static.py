@@ -101,6 +101,13 @@ def ensure_capacity(cache: DynamicCache, length: int) -> None:
             layer.grow(capacity_for(length))
 
 
+def over_capacity(cache: DynamicCache, visible: torch.Tensor) -> torch.Tensor:
+    """What Q new entries see of a static cache once written, [B, Q, S + Q] bool -> [B, Q, C]: the cache grown first
+    when S + Q exceeds its capacity, its free slots hidden (a drafter's own static cache, as the loop's masks do)."""
+    ensure_capacity(cache, visible.shape[-1])
+    return torch.nn.functional.pad(visible, (0, capacity(cache) - visible.shape[-1]))
+
+
 def prefill_mask(pad_mask: torch.Tensor, dtype: torch.dtype, slots: int) -> torch.Tensor:
     """[B, 1, T, C] causal mask over a static cache of C = `slots` for a left-padded prompt (pad_mask [B, T] True at
     real tokens); padded queries see only themselves so no softmax row is empty."""
