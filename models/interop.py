@@ -52,6 +52,7 @@ from models.checkpoint import (
     check_compatible,
     load_drafter,
     medusa_config_dict,
+    read_drafter_config,
     read_json_object,
     save_drafter,
 )
@@ -337,6 +338,19 @@ def stored_dtype(path: Path) -> torch.dtype | None:
         return None  # load_drafter reports the unreadable file
 
 
+def check_vllm_exportable(src: str | os.PathLike) -> None:
+    """CheckpointError (one line) when the drafter at `src` has no vLLM Medusa layout, read from its config alone (no
+    weights load). vLLM's Medusa maps a truncated vocabulary (`token_map`) only onto one lm_head shared by all heads
+    (`original_lm_head`); heads that each project onto their own draft vocabulary cannot be written that way."""
+    if is_medusa_dir(src):
+        return
+    size = read_drafter_config(src).get("draft_vocab_size")
+    if size is not None:
+        raise CheckpointError(f"{src}: heads with a draft vocabulary (draft_vocab_size={size}) have no vLLM layout "
+                              f"(vLLM truncates the vocabulary of one shared lm_head only); train with "
+                              f"method.draft_vocab=null to serve the heads in vLLM")
+
+
 def export_vllm(src: str | os.PathLike, dst: str | os.PathLike, base_model: str | None = None) -> Path:
     """Write the drafter at `src` (draftsmith or original-Medusa directory) in vLLM's Medusa layout at `dst`
     (atomic, config.json last). Heads that reuse the base lm_head embed its weight, read from `base_model`
@@ -344,11 +358,8 @@ def export_vllm(src: str | os.PathLike, dst: str | os.PathLike, base_model: str 
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst}: destination must differ from the source directory")
+    check_vllm_exportable(src)
     loaded = load_heads(src, dtype=stored_dtype(src))
-    if loaded.heads.vocab_ids is not None:  # vLLM's truncated vocabulary assumes ids [0, S), not a frequency shortlist
-        raise CheckpointError(f"{src}: heads with a draft vocabulary (draft_vocab_size="
-                              f"{loaded.heads.config.draft_vocab_size}) have no vLLM layout; train without "
-                              f"method.draft_vocab to export")
     base = base_model or loaded.config.get("base_model_name_or_path")
     base_lm_head = None
     if loaded.heads.config.share_lm_head:

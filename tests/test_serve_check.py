@@ -162,7 +162,11 @@ def inputs(tmp_path):
                                                                        draft_vocab_size=64)), str(base))
     heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=32, vocab_size=64))
     medusa = save_drafter(tmp_path / "medusa", heads, str(base))
-    return SimpleNamespace(python=python, questions=questions, base=base, eagle3=eagle3, medusa=medusa, tmp=tmp_path)
+    shortlist = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=32, vocab_size=64, draft_vocab_size=16))
+    shortlist.set_draft_vocab(torch.arange(16))
+    shortlist = save_drafter(tmp_path / "medusa-shortlist", shortlist, str(base))
+    return SimpleNamespace(python=python, questions=questions, base=base, eagle3=eagle3, medusa=medusa,
+                           shortlist=shortlist, tmp=tmp_path)
 
 
 def bad_cases(i) -> dict[str, tuple[list[str], str]]:
@@ -180,6 +184,7 @@ def bad_cases(i) -> dict[str, tuple[list[str], str]]:
         "no_config": ([*common, "--drafter", str(i.tmp)], "no config.json"),
         "vllm_medusa": ([*common, "--drafter", str(vllm_medusa)], "a vLLM Medusa folder"),
         "too_many_drafts": ([*common, "--drafter", str(i.medusa), "--num-draft", "3"], "has 2 Medusa heads"),
+        "medusa_draft_vocab": ([*common, "--drafter", str(i.shortlist)], "draft_vocab_size=16) have no vLLM layout"),
         "questions": (["--vllm-python", str(i.python), "--questions", str(i.tmp / "none.jsonl"), "--drafter",
                        str(i.eagle3)], "question file not found"),
         "base": ([*common, "--drafter", str(i.eagle3), "--base", str(i.tmp / "gone")], "does not exist"),
@@ -189,7 +194,7 @@ def bad_cases(i) -> dict[str, tuple[list[str], str]]:
 
 
 BAD = ("no_python", "num_draft", "max_new_tokens", "threads", "no_drafter", "no_config", "vllm_medusa",
-       "too_many_drafts", "questions", "base", "dtype", "out")
+       "too_many_drafts", "medusa_draft_vocab", "questions", "base", "dtype", "out")
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -46,7 +46,7 @@ from inference.session import Parser
 from models.backbone import eos_token_ids
 from models.checkpoint import CONFIG_NAME, read_drafter_config, read_json_object
 from models.eagle3_interop import ARCHITECTURE, export_eagle3, import_eagle3
-from models.interop import export_vllm
+from models.interop import check_vllm_exportable, export_vllm
 from models.refs import locate, model_settings
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -193,6 +193,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if not drafter.is_dir():
         raise UsageError(f"--drafter {drafter}: no such folder")
     kind, given_export = drafter_kind(drafter)
+    if kind == "medusa":
+        check_vllm_exportable(drafter)  # before any model loads
     limit = max_drafts(drafter, kind, given_export)
     if limit is not None and args.num_draft > limit:
         raise UsageError(f"--num-draft {args.num_draft}: {drafter} has {limit} Medusa heads (one draft each)")
