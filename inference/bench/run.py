@@ -160,9 +160,8 @@ def check_bench_args(args: argparse.Namespace) -> list[str]:
                          f"one; name one with --assistant PATH")
     if "llama_cpp" in baselines:
         require("llama_cpp", "--baselines llama_cpp (pip install llama-cpp-python)")
-        if args.gguf is None and args.base is not None and not has_own_gguf(args.base):
-            raise UsageError(f"--baselines llama_cpp: --base {args.base} has no GGUF file of its own; name one with "
-                             f"--gguf")
+        if args.base is not None:
+            gguf_for(args.base, args.gguf)  # a base without a GGUF of its own is refused here, before any load
     elif args.gguf is not None:
         raise UsageError("--gguf applies to --baselines llama_cpp")
     if args.gguf is not None and not Path(args.gguf).is_file():
@@ -192,15 +191,10 @@ def gguf_for(base: str, given: str | None) -> str:
     """llama_cpp's GGUF file: --gguf's, else the builtin smollm2's own; UsageError for another base without one."""
     if given is not None:
         return given
-    if not has_own_gguf(base):
+    ref = model_settings(base).ref
+    if not (isinstance(ref, BuiltinRef) and ref.name == smollm2.NAME):  # only the builtin smollm2 is made from one
         raise UsageError(f"--baselines llama_cpp: --base {base} has no GGUF file of its own; name one with --gguf")
     return str(smollm2.gguf_file())
-
-
-def has_own_gguf(base: str) -> bool:
-    """Whether `base` is made from a GGUF file llama_cpp can take: the builtin smollm2."""
-    ref = model_settings(base).ref
-    return isinstance(ref, BuiltinRef) and ref.name == smollm2.NAME
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
