@@ -88,8 +88,8 @@ def target_step(model: torch.nn.Module, compiled: bool) -> TargetStep:
 class NetworkCall:
     """A drafter network's forward (`fn`, a module's method) compiled as the target's step is: static shapes, CUDA
     graphs on CUDA (outputs copied out of the graph's pool: the drafter keeps one level's outputs for the next),
-    inductor elsewhere. A call that meets a shape not seen yet compiles; its seconds go to `compile_seconds()` so that the loop
-    can bill them to `compile` instead of `draft`."""
+    inductor elsewhere. A call that meets a shape not seen yet compiles; its seconds go to `compile_seconds()` so that
+    the loop can bill them to `compile` instead of `draft`."""
 
     def __init__(self, fn: Callable[..., Any], cuda: bool) -> None:
         _raise_recompile_limits()
