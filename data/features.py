@@ -214,13 +214,17 @@ class FeatureDataset(torch.utils.data.Dataset):
             item[key] = value.long() if key == "topk_ids" else value.float()
         return item
 
-    def labels(self) -> Iterator[torch.Tensor]:
-        """Each sample's labels [T] (no features read)."""
-        for i in range(len(self)):
-            name, a, b = self.index[i]
+    def ids_and_labels(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each sample's (input_ids, labels) [T] (no features read)."""
+        for name, a, b in self.index:
             f = self._open(name)
             ids = f.get_slice("input_ids")[a:b].long()
-            yield torch.where(f.get_slice("loss_mask")[a:b].bool(), ids, torch.full_like(ids, IGNORE_INDEX))
+            yield ids, torch.where(f.get_slice("loss_mask")[a:b].bool(), ids, torch.full_like(ids, IGNORE_INDEX))
+
+    def labels(self) -> Iterator[torch.Tensor]:
+        """Each sample's labels [T] (no features read)."""
+        for _, labels in self.ids_and_labels():
+            yield labels
 
     def __getstate__(self):  # DataLoader workers reopen the shards themselves
         return {**self.__dict__, "_handles": {}}

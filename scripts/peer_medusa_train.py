@@ -77,11 +77,8 @@ def convert(args: argparse.Namespace) -> None:
     check_cache_for_peers(args.cache)
     model_dir = locate(args.model)
     out = Path(args.out)
-    data = FeatureDataset(args.cache, "train")
-    rows = []
-    for i in range(len(data)):
-        item = data[i]
-        rows.append({"input_ids": item["input_ids"].to(torch.int32), "labels": item["labels"].to(torch.int32)})
+    rows = [{"input_ids": ids.to(torch.int32), "labels": labels.to(torch.int32)}
+            for ids, labels in FeatureDataset(args.cache, "train").ids_and_labels()]  # no features read
     out.mkdir(parents=True, exist_ok=True)
     torch.save(rows, out / "rows.pt")
     tokens = sum(int((r["labels"] != IGNORE).sum()) for r in rows)
@@ -128,7 +125,7 @@ def train(args: argparse.Namespace) -> None:
         learning_rate=args.lr, weight_decay=0.0, warmup_ratio=0.1, lr_scheduler_type="cosine", bf16=True,
         logging_steps=10, save_strategy="no", report_to=[], seed=args.seed, use_cpu=True,
         dataloader_num_workers=0, remove_unused_columns=False)
-    trainer = CustomizedTrainer(model=medusa, args=training, train_dataset=Rows(rows), data_collator=pad_right)
+    trainer = CustomizedTrainer(model=medusa, args=training, train_dataset=rows, data_collator=pad_right)
     start = time.time()
     trainer.train()
     seconds = time.time() - start
@@ -144,17 +141,6 @@ def train(args: argparse.Namespace) -> None:
                            f"tokenizer: MedusaModel given {base}"]}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.rows[i]
 
 
 def pad_right(batch: list[dict]) -> dict[str, torch.Tensor]:
