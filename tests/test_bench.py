@@ -314,6 +314,18 @@ def test_float64_copy_is_lazy_and_later_turns_are_not_compared(target):
     assert (row["identical"], row["mismatch"], row["not_compared"]) == (0, 1, 1)
 
 
+def test_depth_acceptance_is_the_share_of_steps_that_accepted_at_least_d_drafts():
+    """Steps accepting 0, 3, 1, 1 drafts: depth 1 reached by 3 of 4, depth 2 and 3 by 1 of 4; a plain loop
+    (every step accepts none) has no depth; the report prints the main method's line."""
+    turns = (TurnResult((1,) * 5, "", 1.0, 4, (0, 3), None), TurnResult((1,) * 3, "", 1.0, 2, (1, 1), None))
+    plain = TurnResult((1,) * 4, "", 1.0, 4, (0, 0, 0, 0), None)
+    summary = summarize({"drafter": [Answer(1, "a", turns)], "ar": [Answer(1, "a", (plain, plain))]}, "drafter",
+                        greedy=False)
+    assert summary["methods"]["drafter"]["accepted_at_depth"] == [0.75, 0.25, 0.25]
+    assert summary["methods"]["ar"]["accepted_at_depth"] == []
+    assert "d = 1..3: 0.750 / 0.250 / 0.250" in format_table(summary)
+
+
 # --- bandwidth floor and host
 
 def test_bandwidth_floor_arithmetic_and_weight_bytes(tmp_path):

@@ -48,6 +48,7 @@ class Totals:
     steps: int = 0
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", *PHASES), 0.0))
     timed: bool = False
+    reached: list[int] = field(default_factory=list)  # [d - 1]: decoding steps that accepted at least d drafts
 
     def add(self, turn: TurnResult) -> None:
         self.turns += 1
@@ -55,6 +56,10 @@ class Totals:
         self.wall += turn.wall_time
         self.forwards += turn.target_forwards
         self.steps += len(turn.accepted)
+        for n in turn.accepted:
+            self.reached += [0] * (n - len(self.reached))
+            for d in range(n):
+                self.reached[d] += 1
         if turn.times is not None:
             self.timed = True
             for phase in self.phases:
@@ -68,9 +73,16 @@ class Totals:
     def tau(self) -> float:
         return self.tokens / max(self.forwards, 1)
 
+    @property
+    def accepted_at_depth(self) -> list[float]:
+        """[d - 1]: the share of decoding steps that accepted at least d drafts (depth-d acceptance); empty
+        for a method that never accepts one."""
+        return [n / self.steps for n in self.reached]
+
     def as_dict(self) -> dict[str, Any]:
         row: dict[str, Any] = {"turns": self.turns, "new_tokens": self.tokens, "wall_time_s": self.wall,
-                               "tokens_per_s": self.tokens_per_s, "target_forwards": self.forwards, "tau": self.tau}
+                               "tokens_per_s": self.tokens_per_s, "target_forwards": self.forwards, "tau": self.tau,
+                               "accepted_at_depth": self.accepted_at_depth}
         if self.timed:
             per_step = {p: self.phases[p] / max(self.steps, 1) * 1e3 for p in PHASES}
             row.update(steps=self.steps, prefill_ms=self.phases["prefill"] / max(self.turns, 1) * 1e3,
@@ -241,6 +253,10 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(f"memory-bandwidth floor {floor['floor_ms']:.2f} ms per step "
                      f"({floor['weight_bytes'] / 1e6:.1f} MB of weights / {floor['copy_gb_per_s']:.1f} GB/s "
                      f"copy bandwidth){ar_part}")
+    depths = summary["methods"][main].get("accepted_at_depth")
+    if depths:
+        lines.append(f"{main}: steps accepting at least d drafts, d = 1..{len(depths)}: "
+                     + " / ".join(f"{p:.3f}" for p in depths))
     if summary.get("ideal_speedup") is not None:
         lines.append(f"engine efficiency {summary['engine_efficiency']:.2f} = speedup {summary['speedup_vs_ar']:.2f}"
                      f" / ideal {summary['ideal_speedup']:.2f} (tau {summary['tau']:.2f} x t_AR_step "
