@@ -22,6 +22,7 @@ import torch
 
 from inference.bench import serve_check as sc
 from inference.bench import vllm_worker
+from inference.bench.stats import accepted_per_position
 from models.checkpoint import save_drafter
 from models.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3
 from models.loading import load_target
@@ -43,8 +44,8 @@ def run(engine: str, tokens, accepted, drafts: int, wall=None) -> sc.Run:
 def test_accepted_per_position_counts_the_steps_that_reached_each_position():
     steps = [0, 1, 3, 2, 3, 0, 1]
     brute = [sum(1 for a in steps for i in range(a) if i == pos) for pos in range(3)]
-    assert sc.accepted_per_position(steps, 3) == tuple(brute) == (5, 3, 2)
-    assert sc.accepted_per_position([], 2) == (0, 0)
+    assert accepted_per_position(steps, 3) == tuple(brute) == (5, 3, 2)
+    assert accepted_per_position([], 2) == (0, 0)
 
 
 @pytest.mark.parametrize("a, b, first", [

@@ -42,6 +42,7 @@ from data.errors import UsageError
 from inference.api import load
 from inference.bench.greedy_ties import Fp64Judge, TieVerdict, first_divergence
 from inference.bench.prompt_sets import PROMPT_SETS, Question, load_questions
+from inference.bench.stats import accepted_per_position
 from inference.session import Parser
 from models.backbone import eos_token_ids
 from models.checkpoint import CONFIG_NAME, read_drafter_config, read_json_object
@@ -225,11 +226,6 @@ def export_for_vllm(p: Plan, scratch: Path) -> Folders:
 
 
 # -- 4. our engine -----------------------------------------------------------------------------------------------------
-
-def accepted_per_position(accepted_per_step: Sequence[int], num_draft: int) -> tuple[int, ...]:
-    """[N] how many steps accepted the draft at position i: a step accepting a drafts accepts positions 0..a-1."""
-    return tuple(sum(1 for a in accepted_per_step if a > i) for i in range(num_draft))
-
 
 def run_ours(p: Plan, folders: Folders) -> tuple[Run, list[list[int]], Any]:
     """(our Run, the prompts' ids, the engine)."""

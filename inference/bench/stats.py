@@ -11,7 +11,7 @@ method's output, and Fp64Judge, the float64 rerun). "Lossless" only when no turn
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from inference.bench.greedy_ties import Divergence, Judge, TieVerdict, first_divergence
 from inference.engine.loop import StepTimes
@@ -45,21 +45,16 @@ class Totals:
     tokens: int = 0
     wall: float = 0.0
     forwards: int = 0
-    steps: int = 0
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", *PHASES), 0.0))
     timed: bool = False
-    reached: list[int] = field(default_factory=list)  # [d - 1]: decoding steps that accepted at least d drafts
+    accepted: list[int] = field(default_factory=list)  # accepted drafts of every decoding step
 
     def add(self, turn: TurnResult) -> None:
         self.turns += 1
         self.tokens += len(turn.tokens)
         self.wall += turn.wall_time
         self.forwards += turn.target_forwards
-        self.steps += len(turn.accepted)
-        for n in turn.accepted:
-            self.reached += [0] * (n - len(self.reached))
-            for d in range(n):
-                self.reached[d] += 1
+        self.accepted += turn.accepted
         if turn.times is not None:
             self.timed = True
             for phase in self.phases:
@@ -74,10 +69,15 @@ class Totals:
         return self.tokens / max(self.forwards, 1)
 
     @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
     def accepted_at_depth(self) -> list[float]:
         """[d - 1]: the share of decoding steps that accepted at least d drafts (depth-d acceptance); empty
         for a method that never accepts one."""
-        return [n / self.steps for n in self.reached]
+        depth = max(self.accepted, default=0)
+        return [n / self.steps for n in accepted_per_position(self.accepted, depth)]
 
     def as_dict(self) -> dict[str, Any]:
         row: dict[str, Any] = {"turns": self.turns, "new_tokens": self.tokens, "wall_time_s": self.wall,
@@ -88,6 +88,11 @@ class Totals:
             row.update(steps=self.steps, prefill_ms=self.phases["prefill"] / max(self.turns, 1) * 1e3,
                        per_step_ms={**per_step, "total": sum(per_step.values())})
         return row
+
+
+def accepted_per_position(accepted_per_step: Sequence[int], num_draft: int) -> tuple[int, ...]:
+    """[N] how many steps accepted the draft at position i: a step accepting a drafts accepts positions 0..a-1."""
+    return tuple(sum(1 for a in accepted_per_step if a > i) for i in range(num_draft))
 
 
 VERDICTS = ("identical", "near_tie", "mismatch", "not_compared")
