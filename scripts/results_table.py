@@ -53,10 +53,13 @@ def read_summary(path: Path) -> dict[str, Any]:
 
 
 def method_name(summary: dict[str, Any]) -> str:
-    """A suite's summary is named after its plan entry; `inference bench`'s main is "drafter": name the drafter."""
+    """A suite's summary is named by its plan entry's label, else the entry; `inference bench`'s main is "drafter":
+    name the drafter."""
+    config = summary["config"]
+    if config.get("label"):
+        return config["label"]
     if summary["main"] != "drafter":
         return summary["main"]
-    config = summary["config"]
     name = str(config.get("drafter") or "drafter")
     if config.get("tree_nodes"):
         name += f", {config['tree_nodes']} nodes"

@@ -26,7 +26,7 @@ def test_suite_runs_every_method_against_shared_baselines(models, data_dir, tmp_
 common: --base {models['target']} --dtype fp32 --max-new-tokens 8 --warmup 0 --questions mt_bench:1
 baselines: {{run: [ar, hf, hf_pld]}}
 methods:
-  pld: {{args: --drafter prompt_lookup, versus: [ar, hf, hf_pld]}}
+  pld: {{args: --drafter prompt_lookup, versus: [ar, hf, hf_pld], label: prompt lookup}}
   draft: {{args: --drafter {models['draft']}, own_ar: true, categories: [gsm8k]}}
 """)
     out = tmp_path / "out"
@@ -38,6 +38,7 @@ methods:
     assert set(pld["speedup_vs"]) == {"ar", "hf", "hf_pld"} and pld["config"]["num_questions"] == 3
     # own_ar: the method's own loop is its ar (greedy reference); the category filter keeps the gsm8k questions
     assert draft["config"]["ar_is_own_loop"] and draft["config"]["num_questions"] == 2
+    assert (pld["config"]["label"], draft["config"]["label"]) == ("prompt lookup", None)  # results_table's row names
     assert set(draft["categories"]) == {"gsm8k"} and set(draft["speedup_vs"]) == {"ar", "hf"}
     for s in (pld, draft):  # lossless: every greedy answer equals the plain loop's
         assert s["greedy_check"]["identical"] is True and s["greedy_check"]["lossless"] is True

@@ -23,6 +23,8 @@ def test_rows_from_a_suite_folder_and_a_bench_summary(tmp_path, capsys):
     script = load_script("results_table")
     suite = tmp_path / "suite"
     write(suite / "pld8_sg" / "summary.json", summary("pld8_sg", 2.1337, 18.84, 1.3512, 1.9789))
+    write(suite / "pld8_sg_labelled" / "summary.json", summary("pld8_sg_labelled", 2.1, 18.8, 1.35, 1.98,
+                                                                 label="prompt lookup + datastore"))
     write(suite / "eagle3_16" / "summary.json", summary("eagle3_16", 1.99, 69.0, 1.57, 1.85, gpu="NVIDIA H200"))
     bench = write(tmp_path / "bench" / "summary.json",
                   summary("drafter", 4.17, 255.8, 1.99, None, drafter="outputs/medusa1/tiny", tree_nodes=16,
@@ -34,9 +36,10 @@ def test_rows_from_a_suite_folder_and_a_bench_summary(tmp_path, capsys):
                         "`python scripts/bench_suite.py conf/bench/smollm2.yaml` |")  # folder order: sorted paths
     assert lines[3] == ("| pld8_sg | 2.13 | 18.8 | 1.35 | 1.98 | AMD EPYC 7B13 (AVX2), float32 | "
                         "`python scripts/bench_suite.py conf/bench/smollm2.yaml` |")
-    assert lines[4] == ("| outputs/medusa1/tiny, 16 nodes | 4.17 | 255.8 | 1.99 | — | AMD EPYC 7B13 (AVX2), float32 | "
+    assert lines[4].startswith("| prompt lookup + datastore | 2.10 | 18.8 | 1.35 | 1.98 |")  # the plan entry's label
+    assert lines[5] == ("| outputs/medusa1/tiny, 16 nodes | 4.17 | 255.8 | 1.99 | — | AMD EPYC 7B13 (AVX2), float32 | "
                         "`python -m inference bench --drafter outputs/medusa1/tiny` |")
-    assert len(lines) == 5
+    assert len(lines) == 6
 
 
 def test_refuses_more_rows_than_the_limit_and_files_that_are_no_summary(tmp_path, capsys):

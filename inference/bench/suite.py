@@ -15,7 +15,8 @@ the machine's speed shifts all of them alike and every ratio comes from the same
 method's own plain loop (for methods that change the target's weights: Medusa-2, CLLM); that loop is then its `ar`
 reference for speed and greedy identity, while `hf` stays the original target's `generate` (same architecture, same
 cost per token). `categories` restricts a method to some question categories (e.g. gsm8k). `versus` adds columns
-(default: ar and hf). Everything in the plan is checked before any model loads.
+(default: ar and hf). `label` names the row in scripts/results_table.py's table. Everything in the plan is checked
+before any model loads.
 
 Output in --out: <method>/summary.json and answers (the `bench` format, one per method), suite.json, table.md.
 """
@@ -55,6 +56,7 @@ class MethodEntry:
     own_ar: bool = False
     categories: list[str] = field(default_factory=list)
     versus: list[str] = field(default_factory=lambda: ["ar", "hf"])
+    label: str = ""  # how a results table names the row (default: the entry's name)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class MethodPlan:
     own_ar: bool = False  # also time the method's own target with no drafter (it changed the weights)
     categories: tuple[str, ...] = ()  # empty: every question
     versus: tuple[str, ...] = ("ar", "hf")  # baselines shown as speedup columns
+    label: str = ""  # the results table's name for the row ("": the name)
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,8 @@ def read_plan(path: str | Path) -> Plan:
         missing = [v for v in entry.versus if v not in baselines and not (v == "ar" and entry.own_ar)]
         if missing:
             raise UsageError(f"{where}.versus: {missing[0]!r} is not in baselines.run {baselines}")
-        methods.append(MethodPlan(name, tuple(entry.args), entry.own_ar, tuple(entry.categories), tuple(entry.versus)))
+        methods.append(MethodPlan(name, tuple(entry.args), entry.own_ar, tuple(entry.categories), tuple(entry.versus),
+                                  entry.label))
     return Plan(path, tuple(plan.common), tuple(baselines), tuple(plan.baselines.args), tuple(methods))
 
 
@@ -291,6 +295,7 @@ def method_summary(m: MethodPlan, loaded: Loaded, answers: dict[str, dict[int, A
     summary["bandwidth"] = bandwidth_floor(weight_bytes(session.engine.model), copy_rate, summary)
     summary["config"] = {"questions": str(args.questions), "num_questions": len(idx),
                          "ar_is_own_loop": m.own_ar, "categories": list(m.categories) or None,
+                         "label": m.label or None,
                          **run_config(args, session, {n: n for n in rows})}
     return summary
 
