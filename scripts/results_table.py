@@ -3,8 +3,9 @@
     python scripts/results_table.py outputs/bench/smollm2-gpu outputs/bench/smollm2-selfdistill/pld8_sg/summary.json
 
 Each argument is a `summary.json` written by `python -m inference bench --out DIR` or `scripts/bench_suite.py` (one
-per method, under `<out>/<method>/`), or a folder searched for them. Rows keep the order given (a folder's in path
-order); columns: method, τ, tok/s, × our plain loop, × Hugging Face `generate`, host (GPU, else CPU and its kernels;
+per method, under `<out>/<method>/`), or a folder searched for them. Rows keep the order given (a suite's folder in
+its plan's order, another folder's in path order); a row made by the command of the row above says "same run";
+columns: method, τ, tok/s, × our plain loop, × Hugging Face `generate`, host (GPU, else CPU and its kernels;
 dtype) and the command that made the figures. At most `--max-rows` rows (12): a results table shows the current claims,
 not every run.
 """
@@ -30,7 +31,7 @@ def summary_paths(args: Sequence[str]) -> list[Path]:
     for arg in args:
         path = Path(arg)
         if path.is_dir():
-            found = sorted(path.rglob("summary.json"))
+            found = plan_order(path) or sorted(path.rglob("summary.json"))
             if not found:
                 raise TableError(f"{path}: no summary.json under this folder")
             paths += found
@@ -39,6 +40,18 @@ def summary_paths(args: Sequence[str]) -> list[Path]:
         else:
             raise TableError(f"{path}: no such file or folder")
     return paths
+
+
+def plan_order(folder: Path) -> list[Path]:
+    """A bench_suite output's summaries in its plan's order (suite.json lists the methods); [] for other folders."""
+    suite = folder / "suite.json"
+    if not suite.is_file():
+        return []
+    try:
+        methods = json.loads(suite.read_text())["methods"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise TableError(f"{suite}: not a bench_suite output (no methods)") from None
+    return [folder / name / "summary.json" for name in methods if (folder / name / "summary.json").is_file()]
 
 
 def read_summary(path: Path) -> dict[str, Any]:
@@ -75,17 +88,19 @@ def ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def row(summary: dict[str, Any]) -> str:
+def row(summary: dict[str, Any], command_above: str | None = None) -> str:
     config = summary["config"]
     command = config.get("command") or "—"
     cells = [method_name(summary), f"{summary['tau']:.2f}", f"{summary['tokens_per_s']:.1f}",
-             ratio(summary.get("speedup_vs_ar")), ratio(summary.get("speedup_vs_hf")), host(config), f"`{command}`"]
+             ratio(summary.get("speedup_vs_ar")), ratio(summary.get("speedup_vs_hf")), host(config),
+             "same run" if command == command_above else f"`{command}`"]
     return "| " + " | ".join(cells) + " |"
 
 
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
-    return "\n".join(lines + [row(s) for s in summaries])
+    commands = [None] + [s["config"].get("command") for s in summaries]
+    return "\n".join(lines + [row(s, above) for s, above in zip(summaries, commands)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

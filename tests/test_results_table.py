@@ -34,12 +34,24 @@ def test_rows_from_a_suite_folder_and_a_bench_summary(tmp_path, capsys):
     assert lines[0] == "| method | τ | tok/s | × plain loop | × HF | host | command |"
     assert lines[2] == ("| eagle3_16 | 1.99 | 69.0 | 1.57 | 1.85 | NVIDIA H200, float32 | "
                         "`python scripts/bench_suite.py conf/bench/smollm2.yaml` |")  # folder order: sorted paths
-    assert lines[3] == ("| pld8_sg | 2.13 | 18.8 | 1.35 | 1.98 | AMD EPYC 7B13 (AVX2), float32 | "
-                        "`python scripts/bench_suite.py conf/bench/smollm2.yaml` |")
+    assert lines[3] == "| pld8_sg | 2.13 | 18.8 | 1.35 | 1.98 | AMD EPYC 7B13 (AVX2), float32 | same run |"
     assert lines[4].startswith("| prompt lookup + datastore | 2.10 | 18.8 | 1.35 | 1.98 |")  # the plan entry's label
     assert lines[5] == ("| outputs/medusa1/tiny, 16 nodes | 4.17 | 255.8 | 1.99 | — | AMD EPYC 7B13 (AVX2), float32 | "
                         "`python -m inference bench --drafter outputs/medusa1/tiny` |")
     assert len(lines) == 6
+
+
+def test_a_suite_folder_gives_its_rows_in_the_plan_order(tmp_path, capsys):
+    script = load_script("results_table")
+    suite = tmp_path / "suite"
+    for name in ("zeta", "alpha"):
+        write(suite / name / "summary.json", summary(name, 1.5, 10.0, 1.0, 1.0))
+    write(suite / "suite.json", {"methods": {"zeta": {}, "alpha": {}}})
+    assert exit_code(script, [str(suite)]) == 0
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| zeta", "| alpha"]
+    write(suite / "suite.json", {"plan": "x"})
+    assert exit_code(script, [str(suite)]) == 2
+    assert "suite.json: not a bench_suite output (no methods)" in capsys.readouterr().err
 
 
 def test_refuses_more_rows_than_the_limit_and_files_that_are_no_summary(tmp_path, capsys):
