@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,8 +63,12 @@ def main() -> None:
     batches = [collate([validation[j] for j in range(i, min(i + 8, len(validation)))]) for i in starts]
     original = load_target(settings.ref, dtype=args.dtype)
     tuned = load_drafter_target(args.checkpoint, base, dtype=args.dtype)
-    before, after = lm_quality(original, batches), lm_quality(tuned, batches)
-    reference = greedy_reference(original, prompt_ids(cfg, tokenizer), tokenizer, args.new_tokens, 8)
+    before, after = (lm_quality(model, tqdm(batches, desc=f"perplexity, {name}", unit="batch"))
+                     for name, model in (("original", original), ("fine-tuned", tuned)))
+    prompts = prompt_ids(cfg, tokenizer)
+    print(f"greedy agreement: the original answers {len(prompts)} prompts ({args.new_tokens} tokens each), then the "
+          f"fine-tuned model is scored along them", file=sys.stderr, flush=True)
+    reference = greedy_reference(original, prompts, tokenizer, args.new_tokens, 8)
     hits, total = greedy_agreement(tuned, reference)
     print(f"{args.checkpoint} vs {base} on {before.tokens} validation answer tokens ({args.data})")
     print(f"  perplexity  original {before.perplexity:.3f}   fine-tuned {after.perplexity:.3f}   "

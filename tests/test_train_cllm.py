@@ -91,6 +91,8 @@ def test_train_cllm_few_steps_and_serve(setup, single_thread, tmp_path):
     result = subprocess.run(guard, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "perplexity  original" in result.stdout and "greedy agreement with the original" in result.stdout
+    assert "perplexity, original" in result.stderr and "perplexity, fine-tuned" in result.stderr  # progress
+    assert "greedy agreement: the original answers 1 prompts" in result.stderr
 
 
 def test_train_cllm_packed_full_fine_tuning(setup, single_thread, tmp_path):
