@@ -9,7 +9,7 @@ Times `build-tree`'s cost curve (inference.bench.tree_fit.measure_forward_cost: 
 and with the kernel plus the masked-GQA attention path (inference.kernels.attention) as `generate` serves; on CPUs where
 the kernel takes more than 4 rows (AMX, AVX-512-BF16) also with it limited to 4 rows (the kernel for 1-4 rows, stock
 above); alternating them round by round so that a busy machine slows all alike, and prints per K the median of each
-and their ratios, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured copy
+and their ratios, with the CPU it ran on and the memory-bandwidth floor of a step (weight bytes / measured read
 bandwidth); then torch's argmax against the engine's `greedy_argmax` on K rows of logits. The target runs in bf16, or
 in fp32 where the kernel takes fp32 (`--dtype fp32`). Outputs agree with stock to bf16 (fp32) rounding
 (tests/test_cpu_kernels.py, tests/test_cpu_kernels_fp32.py; the attention path and the argmax are bit-identical,
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
-from inference.bench.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
+from inference.bench.bandwidth import cpu_name, read_bandwidth, weight_bytes  # noqa: E402
 from inference.bench.tree_fit import measure_forward_cost  # noqa: E402
 from inference.engine.verify import greedy_argmax  # noqa: E402
 from inference.kernels import cpu_linear  # noqa: E402
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name][k].append(seconds)
             print(f"round {round_ + 1}/{args.rounds} {name:10}: "
                   + " ".join(f"K={k} {s * 1e3:.1f}" for k, s in zip(curve.sizes, curve.seconds)) + " ms", flush=True)
-    floor_ms = weight_bytes(model) / copy_bandwidth("cpu") * 1e3
+    floor_ms = weight_bytes(model) / read_bandwidth("cpu") * 1e3
     med = {name: {k: statistics.median(times[name][k]) for k in sizes} for name, *_ in variants}
     few = ["kernel <= 4 rows ms", "kernel <= 4 / kernel"] if wide else []
     head = ["K", "stock ms", *few[:1], "kernel ms", "kernel + GQA attention ms", "stock / kernel", *few[1:],

@@ -5,7 +5,7 @@ EAGLE-3 draft step (random drafter) <= 1.5 ms.
 
 - `step_ms`: a target forward over the root plus 0, 8 and 15 drafted nodes (buckets 1, 9 and 16) on a
   `context`-token cache, eager and compiled (CUDA graphs), each the median of `reps` after a warm-up that compiles
-  (inference.engine.step_cost); `floor_ms` = weight bytes / copy bandwidth and each plain step over it; `step_wall_s`:
+  (inference.engine.step_cost); `floor_ms` = weight bytes / read bandwidth and each plain step over it; `step_wall_s`:
   each curve's wall time (the compiled one's excess is compilation).
 - `decode`: greedy decoding of random prompts (a batch of one), plain and EAGLE-3 with a random draft (a static
   16-node tree, so no shape beyond the curve's), eager and compiled: tokens/s without compilation, τ, compile
@@ -39,7 +39,7 @@ def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: in
                      ) -> dict[str, Any]:
     """The section's figures (module docstring). With `out`, what is measured so far is also written to
     out/PARTIAL_NAME after each phase, so that a run cut off by its time limit still brings back its first figures."""
-    from inference.bench.bandwidth import copy_bandwidth, weight_bytes  # deferred: after the package checks
+    from inference.bench.bandwidth import read_bandwidth, weight_bytes  # deferred: after the package checks
     from inference.engine.loop import TREE_SLOTS  # deferred: after the package checks
     from inference.engine.static import capacity_for  # deferred: after the package checks
     from inference.engine.step_cost import measure_step_cost  # deferred: after the package checks
@@ -47,7 +47,7 @@ def compiled_section(shape: Shape, prompts: int, prompt_len: int, new_tokens: in
     say(f"compiled: a random bf16 Llama of {shape.name}'s shapes on {device}")
     model = random_llama(shape, torch.bfloat16, device, seed)
     slots = capacity_for(max(context + NODES[-1] + 1, prompt_len + new_tokens) + TREE_SLOTS)
-    floor_ms = weight_bytes(model) / copy_bandwidth(device) * 1e3
+    floor_ms = weight_bytes(model) / read_bandwidth(device) * 1e3
     result: dict[str, Any] = {"shape": shape.name, "floor_ms": floor_ms, "cache_slots": slots, "step_ms": {},
                               "step_wall_s": {}}
     for mode, settings in (("eager", {}), ("compiled", {"compile": True, "cache_slots": slots})):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from inference.bench.bandwidth import copy_bandwidth, cpu_name, weight_bytes
+from inference.bench.bandwidth import cpu_name, read_bandwidth, weight_bytes
 from inference.bench.run import progress_bar, still_running
 from inference.bench.stats import Answer, TurnResult, bandwidth_floor, format_table, summarize
 from inference.engine.loop import StepTimes
@@ -65,12 +65,12 @@ def test_bandwidth_floor_arithmetic_and_weight_bytes(tmp_path):
     assert weight_bytes(model) == 4 * sum(p.numel() for p in model.parameters())
     assert weight_bytes(model) < 4 * sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert weight_bytes(model.to(torch.bfloat16)) == 2 * sum(p.numel() for p in model.parameters())
-    rate = copy_bandwidth("cpu", nbytes=2**20, repeats=2)
+    rate = read_bandwidth("cpu", nbytes=2**20, repeats=2)
     assert math.isfinite(rate) and rate > 0
     summary = {"methods": {"ar": {"per_step_ms": {"total": 3.0}}}}
     floor = bandwidth_floor(2_000_000, 1e9, summary)
     assert floor["floor_ms"] == pytest.approx(2.0) and floor["ar_step_over_floor"] == pytest.approx(1.5)
-    assert floor["copy_gb_per_s"] == 1.0 and bandwidth_floor(1, 1.0, {"methods": {}})["ar_step_ms"] is None
+    assert floor["read_gb_per_s"] == 1.0 and bandwidth_floor(1, 1.0, {"methods": {}})["ar_step_ms"] is None
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Test CPU @ 2.0GHz\nflags\t: avx2\n\nmodel name\t: other\n")
     assert cpu_name(info) == "Test CPU @ 2.0GHz" and cpu_name(tmp_path / "none") is None

@@ -1,9 +1,12 @@
 """The memory-bandwidth floor of a plain decoding step, and what the host is.
 
 A plain decoding step of a small batch reads every weight of the target once, so no step can be faster than
-weight bytes / memory bandwidth. The bandwidth is measured here as STREAM's "copy" does: the best of a few copies of
-a large buffer into another, counting the bytes read plus the bytes written. The copy goes into a buffer allocated
-and touched beforehand: a fresh `clone` would time page faults as well.
+weight bytes / memory bandwidth. The bandwidth is measured the way a step uses memory, by reading: the best of a few
+fp32 sums over a buffer far larger than any cache, allocated and touched beforehand so that no page fault is timed.
+(A copy, STREAM's "copy", also counts the bytes written, whose cost depends on how the CPU allocates the lines it
+writes.) On a shared host either figure moves from one minute to the next (a 2-core VM: sums' best of five 24-40 GB/s
+within a minute), so a floor is measured beside the steps it judges: scripts/step_cost.py measures it after every
+curve and prints its spread.
 """
 
 from __future__ import annotations
@@ -14,15 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-COPY_BYTES = 256 * 2**20
-COPY_REPEATS = 5
+READ_BYTES = 512 * 2**20
+READ_REPEATS = 5
 
 
-def copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = COPY_BYTES, repeats: int = COPY_REPEATS) -> float:
-    """Bytes per second (read + written) of the fastest of `repeats` copies of an `nbytes` buffer on `device`."""
+def read_bandwidth(device: torch.device | str = "cpu", nbytes: int = READ_BYTES, repeats: int = READ_REPEATS) -> float:
+    """Bytes per second read by the fastest of `repeats` sums over an `nbytes` fp32 buffer on `device`."""
     device = torch.device(device)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.zeros_like(src)
+    buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -32,10 +34,10 @@ def copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = COPY_BYTES,
     for _ in range(repeats):
         sync()
         start = time.perf_counter()
-        dst.copy_(src)
+        buffer.sum()
         sync()
         best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return buffer.numel() * 4 / best
 
 
 def weight_bytes(model: nn.Module) -> int:

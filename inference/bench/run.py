@@ -26,7 +26,7 @@ Summary definitions:
                        within a stated tolerance of float64's greedy choice (TIE_ULPS x the run dtype's unit
                        roundoff x max|logit|, inference.bench.greedy_ties). "lossless" only with no mismatch; each
                        mismatch is named with its question, turn and float64 gap (a likely engine bug)
-    bandwidth floor    weight bytes / measured copy bandwidth: the least time a plain step can take
+    bandwidth floor    weight bytes / measured read bandwidth: the least time a plain step can take
                        (inference.bench.bandwidth)
 """
 
@@ -51,7 +51,7 @@ from data.atomic import write_text
 from data.errors import UsageError
 from data.extras import require
 from data.paths import check_writable_dir
-from inference.bench.bandwidth import copy_bandwidth, host_info, weight_bytes
+from inference.bench.bandwidth import host_info, read_bandwidth, weight_bytes
 from inference.bench.greedy_ties import Fp64Judge
 from inference.bench.methods import (BASELINES, GREEDY_ONLY, HFOptions, Runner, Sampling, assisted_settings,
                                      build_runners, pld_defaults)
@@ -213,7 +213,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     hf = hf_options(session, args, names)
     runners = build_runners(session, names, sampling, hf)
     model, device = session.engine.model, session.engine.device
-    copy_rate = copy_bandwidth(device)
+    read_rate = read_bandwidth(device)
     base_id = _slug(session.base)
     model_ids = {"drafter": _slug(session.drafter_name), **{b: f"{base_id}-{b}" for b in BASELINES}}
     if args.model_id:
@@ -223,7 +223,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # float64 reruns need a plain copy of the target: not of quantized or device-mapped weights
     judge = greedy_judge(args, model)
     summary = summarize(answers, names[0], greedy=greedy, judge=judge)
-    summary["bandwidth"] = bandwidth_floor(weight_bytes(model), copy_rate, summary)
+    summary["bandwidth"] = bandwidth_floor(weight_bytes(model), read_rate, summary)
     summary["config"] = {
         "questions": str(args.questions), "prompt_sets": prompt_sets, "num_questions": len(questions),
         **run_config(args, session, {n: model_ids[n] for n in names}),

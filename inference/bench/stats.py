@@ -215,13 +215,13 @@ def divergence_record(question_id: Any, turn: int, d: Divergence, verdict: TieVe
             "failed_by": verdict.failed_by, "failed_tolerance": verdict.failed_tolerance}
 
 
-def bandwidth_floor(weight_bytes: int, copy_bytes_per_s: float, summary: dict[str, Any]) -> dict[str, Any]:
-    """The memory-bandwidth floor of one plain decoding step, weight bytes / copy bandwidth (every weight is read
+def bandwidth_floor(weight_bytes: int, read_bytes_per_s: float, summary: dict[str, Any]) -> dict[str, Any]:
+    """The memory-bandwidth floor of one plain decoding step, weight bytes / read bandwidth (every weight is read
     once per step), next to our measured mean plain step (ar, when it ran with per-phase times)."""
-    floor_ms = weight_bytes / copy_bytes_per_s * 1e3
+    floor_ms = weight_bytes / read_bytes_per_s * 1e3
     ar_row = summary["methods"].get("ar", {})
     ar_ms = ar_row["per_step_ms"]["total"] if "per_step_ms" in ar_row else None
-    return {"weight_bytes": weight_bytes, "copy_gb_per_s": copy_bytes_per_s / 1e9, "floor_ms": floor_ms,
+    return {"weight_bytes": weight_bytes, "read_gb_per_s": read_bytes_per_s / 1e9, "floor_ms": floor_ms,
             "ar_step_ms": ar_ms, "ar_step_over_floor": ar_ms / floor_ms if ar_ms is not None and floor_ms > 0
             else None}
 
@@ -256,8 +256,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ar_part = "" if floor["ar_step_ms"] is None else \
             f"; our plain step {floor['ar_step_ms']:.2f} ms = {floor['ar_step_over_floor']:.2f}x the floor"
         lines.append(f"memory-bandwidth floor {floor['floor_ms']:.2f} ms per step "
-                     f"({floor['weight_bytes'] / 1e6:.1f} MB of weights / {floor['copy_gb_per_s']:.1f} GB/s "
-                     f"copy bandwidth){ar_part}")
+                     f"({floor['weight_bytes'] / 1e6:.1f} MB of weights / {floor['read_gb_per_s']:.1f} GB/s "
+                     f"read bandwidth){ar_part}")
     depths = summary["methods"][main].get("accepted_at_depth")
     if depths:
         lines.append(f"{main}: steps accepting at least d drafts, d = 1..{len(depths)}: "

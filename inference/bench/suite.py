@@ -39,7 +39,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from data.atomic import write_text
 from data.errors import UsageError
 from inference.api import Engine
-from inference.bench.bandwidth import copy_bandwidth, weight_bytes
+from inference.bench.bandwidth import read_bandwidth, weight_bytes
 from inference.bench.methods import BASELINES, EngineRunner, Runner, Sampling, build_runners
 from inference.bench.prompt_sets import Question, load_questions
 from inference.bench.run import (WARMUP_TOKENS, add_bench_args, answer, answer_record, check_bench_args, greedy_judge,
@@ -280,7 +280,7 @@ def run_questions(loaded: Loaded, questions: list[Question], args: argparse.Name
     return answers
 
 
-def method_summary(m: MethodPlan, loaded: Loaded, answers: dict[str, dict[int, Answer]], copy_rate: float
+def method_summary(m: MethodPlan, loaded: Loaded, answers: dict[str, dict[int, Answer]], read_rate: float
                    ) -> dict[str, Any]:
     """`bench`'s summary for one method over the questions it took: ar is its own loop when own_ar, else the
     shared one; greedy identity against that ar, judged by a float64 rerun of the method's own target."""
@@ -292,7 +292,7 @@ def method_summary(m: MethodPlan, loaded: Loaded, answers: dict[str, dict[int, A
     args = loaded.method_args[m.name]
     session = loaded.sessions[m.name]
     summary = summarize(rows, m.name, greedy=args.temperature == 0, judge=greedy_judge(args, session.engine.model))
-    summary["bandwidth"] = bandwidth_floor(weight_bytes(session.engine.model), copy_rate, summary)
+    summary["bandwidth"] = bandwidth_floor(weight_bytes(session.engine.model), read_rate, summary)
     summary["config"] = {"questions": str(args.questions), "num_questions": len(idx),
                          "ar_is_own_loop": m.own_ar, "categories": list(m.categories) or None,
                          "label": m.label or None,
@@ -355,7 +355,7 @@ def run_suite(plan: Plan, out: Path, limit: int | None = None) -> dict[str, Any]
                              f"--questions {base_args.questions}")
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_all(plan, base_args, method_args)
-    copy_rate = copy_bandwidth(loaded.base.engine.device)
+    read_rate = read_bandwidth(loaded.base.engine.device)
     start = time.monotonic()
     answers = run_questions(loaded, questions, base_args)
     wall = time.monotonic() - start
@@ -367,7 +367,7 @@ def run_suite(plan: Plan, out: Path, limit: int | None = None) -> dict[str, Any]
                                  judge=greedy_judge(base_args, loaded.base.engine.model))
     summaries = {}
     for m in plan.methods:
-        summaries[m.name] = s = method_summary(m, loaded, answers, copy_rate)
+        summaries[m.name] = s = method_summary(m, loaded, answers, read_rate)
         folder = out / m.name
         folder.mkdir(exist_ok=True)
         for label, rows in [(m.name, answers[m.name]), *((b, answers[b]) for b in plan.baselines),
