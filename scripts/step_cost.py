@@ -2,6 +2,7 @@
 
     python scripts/step_cost.py --base smollm2 --dtype fp32
     python scripts/step_cost.py --base smollm2 --dtype fp32 --nodes 0,1,2,4,8,16,32 --context 512
+    python scripts/step_cost.py --shape llama3_1_8b --modes eager --nodes 0,8   # a random target of those shapes
 
 The target prefills --context random tokens, then runs, as the engine's loop does (inference.engine.step_cost), one
 forward over the root and a chain of k drafted nodes for each k of --nodes, --repeats times after a warm-up; the
@@ -17,7 +18,14 @@ rounds' medians, and every mode after the first is shown beside the first with t
     stock     the CPU kernels off (stock `F.linear`, the engine's --no-cpu-kernel)
     static    a static cache, trees in node buckets (the engine's --static-cache)
     compiled  the target's step compiled over a static cache (--compile; the warm-up compiles, apart from the timing)
-The memory-bandwidth floor (weight bytes / copy bandwidth) is printed with each mode's plain step against it.
+The memory-bandwidth floor (weight bytes / read bandwidth, inference.bench.bandwidth) is printed with each mode's
+plain step against it. On a shared host the bandwidth moves from one minute to the next, so it is read before and
+after every curve and each curve's plain step is set against its own floor; a mode's figure is the median of those
+ratios, and the floors' spread is printed.
+
+--shape times a random Llama of a model's shapes instead of loaded weights (a name such as llama3_1_8b, a config.json,
+or hidden=,layers=,heads=,kv_heads=,intermediate=,vocab=; train.memory_model.resolve_shape): the shapes decide the
+time, so a machine can be judged for a target it has not downloaded.
 
     python scripts/step_cost.py --base smollm2 --dtype bf16 --modes compiled,eager --nodes 0,1,4,8
 """
@@ -34,9 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from data.errors import UsageError  # noqa: E402
-from inference.bench.bandwidth import copy_bandwidth, cpu_name, weight_bytes  # noqa: E402
+from inference.bench.bandwidth import cpu_name, read_bandwidth, weight_bytes  # noqa: E402
 from inference.engine.step_cost import NODES, StepCost, measure_step_cost  # noqa: E402
 from inference.session import add_model_args, open_session  # noqa: E402
+from models.builtin import DTYPES  # noqa: E402
+from models.loading import check_device  # noqa: E402
+from train.memory_model import MemoryModelError, Shape, resolve_shape  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_nodes(text: str) -> tuple[int, ...]:
@@ -78,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how the forward runs, comma-separated, the first the main curve: {', '.join(MODES)} "
                         "(default eager)")
     p.add_argument("--rounds", type=int, default=3, help="with several --modes: curves of each (default 3)")
+    p.add_argument("--shape", help="instead of --base: a random Llama of these shapes (a model name such as "
+                   "llama3_1_8b, a config.json, or hidden=,layers=,heads=,kv_heads=,intermediate=,vocab=[,tied=1])")
     return p
 
 
@@ -90,15 +105,18 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--repeats, --context and --rounds must be >= 1")
         if args.drafter:
             raise UsageError("--drafter: this script times the target alone (pass --base)")
-        session = open_session(args)  # every model option checked before a model loads; a bad base: one line
-    except UsageError as err:
+        if args.shape is None:
+            model = open_session(args).engine.model  # every model option checked before a model loads
+        else:
+            model = random_target(check_shape_args(args), args)
+    except (UsageError, MemoryModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    model = session.engine.model
+    device = model.get_input_embeddings().weight.device
     say = (lambda *a, **k: None) if args.quiet else print
     say(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} "
-        f"threads; {model.dtype}, device {session.engine.device}; {args.context}-token context, median of "
-        f"{args.repeats}", flush=True)
+        f"threads; {model.dtype}, device {device}; {args.context}-token context, median of {args.repeats}",
+        flush=True)
 
     def progress(k: int, ms: float) -> None:
         print(f"{k} drafted nodes: {ms:.1f} ms", file=sys.stderr, flush=True)
@@ -108,10 +126,13 @@ def main(argv: list[str] | None = None) -> int:
                                  **MODES[mode])
 
     rounds: dict[str, list[StepCost]] = {mode: [] for mode in modes}
+    floors: dict[str, list[float]] = {mode: [] for mode in modes}  # ms: weight bytes / the reads around each curve
     for i in range(args.rounds if len(modes) > 1 else 1):
         for mode in modes:
             print(f"round {i + 1}, {mode}", file=sys.stderr, flush=True)
+            before = read_bandwidth(device)
             rounds[mode].append(curve(mode))
+            floors[mode].append(weight_bytes(model) / ((before + read_bandwidth(device)) / 2) * 1e3)
     costs = {mode: StepCost(tuple((k, statistics.median(c.ms(k) for c in curves)) for k in nodes))
              for mode, curves in rounds.items()}
     cost, others = costs[modes[0]], modes[1:]
@@ -123,15 +144,49 @@ def main(argv: list[str] | None = None) -> int:
         row = (f"| {k} | {ms:.1f} | {ms / cost.ms(0):.2f} | {cost.break_even(k):.2f} |" if k else
                f"| 0 (plain) | {ms:.1f} | 1.00 | |")
         say(row + "".join(f" {costs[m].ms(k):.1f} | {ms / costs[m].ms(k):.2f} |" for m in others))
-    floor_ms = weight_bytes(model) / copy_bandwidth(session.engine.device) * 1e3
-    say(f"\nmemory-bandwidth floor {floor_ms:.2f} ms a step; plain step "
-        + ", ".join(f"{m} {costs[m].ms(0) / floor_ms:.2f}x" for m in modes) + " the floor")
+    every = [f for mode in modes for f in floors[mode]]
+    over = {m: statistics.median(c.ms(0) / f for c, f in zip(rounds[m], floors[m])) for m in modes}
+    say(f"\nmemory-bandwidth floor {statistics.median(every):.2f} ms a step ({weight_bytes(model) / 1e6:.0f} MB of "
+        f"weights / the read bandwidth measured before and after each curve; {min(every):.2f}-{max(every):.2f} ms over "
+        f"{len(every)} curves); plain step " + ", ".join(f"{m} {over[m]:.2f}x" for m in modes)
+        + " the floor (each curve against its own floor, the median of its mode's)")
     node_cost = cost.node_cost()
     say(f"\none drafted node costs {node_cost:.3f} plain steps (least squares): prompt lookup's "
         f"--drafter-option node_cost={node_cost:.3f}")
     say()
     print(cost, flush=True)
     return 0
+
+
+def check_shape_args(args: argparse.Namespace) -> Shape:
+    """--shape's Shape, and the options a random target cannot take refused; one line, before any model is built."""
+    for flag, given in (("--base", args.base), ("--quantization", args.quantization not in (None, "none")),
+                        ("--device-map", args.device_map)):
+        if given:
+            raise UsageError(f"--shape builds a random target: drop {flag}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.device is not None:
+        check_device(args.device)
+    return resolve_shape(args.shape, ROOT / "conf" / "model", "--shape")
+
+
+def random_target(shape: Shape, args: argparse.Namespace) -> torch.nn.Module:
+    """A random Llama of `shape` in --dtype (bf16 by default) on --device, seeded by --seed."""
+    from transformers import AutoModelForCausalLM  # deferred: only --shape builds a model from a config
+
+    from train.memory_measure import llama_config  # deferred: imports the trainers' configs, for --shape only
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or "bf16"]
+    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"building a random {shape.name} target, {shape.params() / 1e9:.2f}B params in {dtype}, on {device}",
+          file=sys.stderr, flush=True)
+    torch.manual_seed(args.seed)
+    with device:
+        model = AutoModelForCausalLM.from_config(llama_config(shape), dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from train.memory_model import (  # noqa: E402
-    DTYPE_BYTES, FIT_GPUS_GIB, FIT_SEQ, GIB, HEADROOM, METHODS, MemoryModelError, Shape, TrainSetup, fit_table, predict,
-    resolve_shape)
-
-SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")
+    DTYPE_BYTES, FIT_GPUS_GIB, FIT_SEQ, GIB, HEADROOM, METHODS, MemoryModelError, Shape, TrainSetup, fit_table,
+    parse_shape_spec, predict, resolve_shape)
 
 
 def fail(message: str) -> NoReturn:
@@ -38,7 +36,8 @@ def fail(message: str) -> NoReturn:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", help="config.json (or its folder) or a model name (vicuna7b, llama3_1_8b, ...)")
-    p.add_argument("--shape", help="instead of --target: hidden=,layers=,heads=,intermediate=,vocab=[,kv_heads=]")
+    p.add_argument("--shape",
+                   help="instead of --target: hidden=,layers=,heads=,intermediate=,vocab=[,kv_heads=,tied=]")
     p.add_argument("--method", default="medusa1", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--batch", default="1", help="rows per GPU (comma list)")
     p.add_argument("--seq", default=str(FIT_SEQ), help="tokens per row (comma list)")
@@ -74,20 +73,10 @@ def int_list(text: str, flag: str) -> list[int]:
 
 
 def parse_shape(text: str) -> Shape:
-    items = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
-    unknown = sorted(set(items) - set(SHAPE_KEYS))
-    missing = [k for k in SHAPE_KEYS if k not in items and k != "kv_heads"]
-    if unknown or missing or len(items) != len([i for i in text.split(",") if i]):
-        fail(f"--shape {text!r}: give {', '.join(SHAPE_KEYS)} as key=value (kv_heads optional)"
-             + (f"; unknown {', '.join(unknown)}" if unknown else ""))
     try:
-        values = {k: int(v) for k, v in items.items()}
-    except ValueError:
-        fail(f"--shape {text!r}: values must be integers")
-    if any(v < 1 for v in values.values()) or values["hidden"] % values["heads"]:
-        fail(f"--shape {text!r}: positive values, hidden a multiple of heads")
-    values.setdefault("kv_heads", values["heads"])
-    return Shape(name="shape", **values)
+        return parse_shape_spec(text)
+    except MemoryModelError as err:
+        fail(str(err))
 
 
 def setups(args: argparse.Namespace) -> list[TrainSetup]:

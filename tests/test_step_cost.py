@@ -73,6 +73,30 @@ def test_the_script_prints_the_curve_and_refuses_bad_input_in_one_line(tmp_path,
         assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
 
 
+def test_the_script_times_a_random_target_of_given_shapes_and_refuses_what_it_cannot_take(capsys, monkeypatch):
+    """--shape builds a random Llama of a key=value spec (or a model name, or a config.json): the curve, and the floor
+    from the read bandwidth measured after each curve; options a random target cannot take are one line, exit 2."""
+    script = load_script("step_cost")
+    spec = "hidden=64,layers=2,heads=4,kv_heads=2,intermediate=128,vocab=256"
+    base = ["--shape", spec, "--dtype", "fp32", "--threads", "1", "--repeats", "1", "--context", "8"]
+    assert script.main([*base, "--nodes", "0,2", "--modes", "eager,static", "--rounds", "2"]) == 0
+    out = capsys.readouterr()
+    assert "building a random shape target, 0.00B params in torch.float32" in out.err
+    assert "| 0 (plain) |" in out.out and "| 2 |" in out.out
+    floor = next(line for line in out.out.splitlines() if line.startswith("memory-bandwidth floor"))
+    assert "the read bandwidth measured before and after each curve" in floor and "over 4 curves" in floor
+    assert "plain step eager" in floor and "x the floor (each curve against its own floor" in floor
+    monkeypatch.setattr(script, "random_target", lambda *a, **k: pytest.fail("a model was built"))
+    for argv, needle in ((["--shape", spec, "--base", "smollm2"], "--shape builds a random target: drop --base"),
+                         (["--shape", spec, "--quantization", "nf4"], "--shape builds a random target: drop --quant"),
+                         (["--shape", "hidden=64,layers=2"], "--shape 'hidden=64,layers=2': give hidden, layers"),
+                         (["--shape", "llama9"], "--shape llama9: unknown model"),
+                         (["--shape", spec, "--threads", "0"], "--threads must be >= 1")):
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {needle}") and err.count("\n") == 1, err
+
+
 def test_step_cost_fits_the_cost_of_a_drafted_node():
     """StepCost.node_cost: the least-squares slope of t(k) / t(0) - 1 against k through the origin."""
     assert StepCost.parse("0:100,1:110,2:120,4:140").node_cost() == pytest.approx(0.1)

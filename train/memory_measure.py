@@ -49,7 +49,8 @@ def llama_config(shape: Shape):
     return LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                        num_key_value_heads=shape.kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=shape.tied)
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=shape.tied,
+                       attention_bias=shape.qkv_bias)  # Qwen2's q, k, v biases (and here o's: d more)
 
 
 def method_config(setup: TrainSetup, model_path: str) -> DictConfig:

@@ -107,14 +107,42 @@ ALIASES = {"llama2_7b_chat": "vicuna7b", "llama3_8b_instruct": "llama3_1_8b", "l
 FIT_TARGETS = ("llama3_1_8b", "qwen2_5_7b", "vicuna7b")
 
 
-def resolve_shape(target: str, conf_dir: Path | None = None) -> Shape:
-    """A config.json (or a folder holding one) or a model name (SHAPES, or a conf/model name) -> its Shape."""
+SPEC_KEYS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tied")
+OPTIONAL_SPEC_KEYS = ("kv_heads", "tied")
+
+
+def parse_shape_spec(text: str, flag: str = "--shape") -> Shape:
+    """"hidden=2048,layers=16,heads=32,kv_heads=8,intermediate=8192,vocab=128256,tied=1" -> a Shape named "shape"
+    (kv_heads defaults to heads, tied (0 or 1: lm_head is the embedding) to 0); MemoryModelError naming `flag`."""
+    parts = [part for part in text.split(",") if part]
+    items = dict(part.split("=", 1) for part in parts if "=" in part)
+    unknown = sorted(set(items) - set(SPEC_KEYS))
+    missing = [k for k in SPEC_KEYS if k not in items and k not in OPTIONAL_SPEC_KEYS]
+    if unknown or missing or len(items) != len(parts):
+        raise MemoryModelError(f"{flag} {text!r}: give {', '.join(SPEC_KEYS)} as key=value (kv_heads, tied optional)"
+                               + (f"; unknown {', '.join(unknown)}" if unknown else ""))
+    try:
+        values = {k: int(v) for k, v in items.items()}
+    except ValueError:
+        raise MemoryModelError(f"{flag} {text!r}: values must be integers") from None
+    tied = values.pop("tied", 0)
+    if any(v < 1 for v in values.values()) or values["hidden"] % values["heads"] or tied not in (0, 1):
+        raise MemoryModelError(f"{flag} {text!r}: positive values, hidden a multiple of heads, tied 0 or 1")
+    values.setdefault("kv_heads", values["heads"])
+    return Shape(name="shape", tied=bool(tied), **values)
+
+
+def resolve_shape(target: str, conf_dir: Path | None = None, flag: str = "--target") -> Shape:
+    """A config.json (or a folder holding one), a model name (SHAPES, or a conf/model name) or a key=value spec
+    (parse_shape_spec) -> its Shape; MemoryModelError naming `flag` otherwise."""
+    if "=" in target:
+        return parse_shape_spec(target, flag)
     path = Path(target)
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" or path.parent != Path("."):
         if not path.is_file():
-            raise MemoryModelError(f"--target {target}: no such file")
+            raise MemoryModelError(f"{flag} {target}: no such file")
         try:
             config = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -125,9 +153,9 @@ def resolve_shape(target: str, conf_dir: Path | None = None) -> Shape:
         return SHAPES[key]
     known = sorted({*SHAPES, *ALIASES})
     if conf_dir is not None and (conf_dir / f"{target}.yaml").is_file():
-        raise MemoryModelError(f"--target {target}: conf/model/{target}.yaml names no shapes here; pass its "
+        raise MemoryModelError(f"{flag} {target}: conf/model/{target}.yaml names no shapes here; pass its "
                                f"config.json (known names: {', '.join(known)})")
-    raise MemoryModelError(f"--target {target}: unknown model (a config.json path or one of {', '.join(known)})")
+    raise MemoryModelError(f"{flag} {target}: unknown model (a config.json path or one of {', '.join(known)})")
 
 
 @dataclass(frozen=True)
