@@ -5,6 +5,7 @@
     python scripts/gpu_check.py --out gpu_check --tiny outputs/gpu_bundle            # ... plus section `tiny`
     python scripts/gpu_check.py --out /tmp/dry --device cpu --small   # the CPU dry run (tests/test_gpu_check.py)
     python scripts/gpu_check.py --pack-tiny outputs/gpu_bundle --tiny-drafter outputs/medusa1/tiny  # before travel
+    python scripts/gpu_check.py --pack-smollm2 outputs/gpu_smollm2     # section smollm2's parts, one call's each
 
 Sections, on a random Llama of Llama-2-7B's shapes (random weights: the shapes decide memory and time; recipes: its
 own shapes):
@@ -27,6 +28,9 @@ own shapes):
             decoding token for token (fp32: no near ties allowed), and seeded sampling must run
     tiny    `python -m inference bench` of the tiny target's Medusa-1 heads (README setup: MT-bench first turns, 128
             new tokens, greedy, fp32), from a bundle made by --pack-tiny; skipped, with the reason, without one
+    smollm2 `python -m inference bench` of the CPU recipe's EAGLE-3 drafter on the builtin smollm2 (the README table's
+            16 questions, 128 new tokens, bf16) against our plain loop and HF `generate`, eager and --compile, from
+            the parts --pack-smollm2 made (scripts/gpu_check_bundles.py); skipped without --smollm2
     recipes the real commands as subprocesses on a random target of --recipe-shape saved first (Llama-3.1-8B's on a
             GPU): `python -m train medusa1` and `python -m train eagle3` with self-distillation on the bundled corpus,
             then their exports (`python -m models.convert vllm-export` / `eagle3-export`), and CLLM's trajectory
@@ -43,7 +47,6 @@ import importlib
 import json
 import math
 import platform
-import shutil
 import sys
 import tempfile
 import threading
@@ -58,17 +61,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_check_*, however this file was started
 
+from gpu_check_bundles import (  # noqa: E402
+    SMOLLM2_QUESTIONS, TINY_FILES, pack, smollm2_missing, smollm2_section, tiny_section)
 from gpu_check_compiled import compiled_section  # noqa: E402
 from gpu_check_drafters import drafters_section  # noqa: E402
 from gpu_check_recipes import RECIPE_SHAPES, recipes_section  # noqa: E402
 from train.memory_model import SHAPES, Shape  # noqa: E402  (the standard library only)
 
-SECTIONS = ("train", "nf4", "engine", "compiled", "drafters", "tiny", "recipes")
+SECTIONS = ("train", "nf4", "engine", "compiled", "drafters", "tiny", "smollm2", "recipes")
 COMPILED_SHAPE = SHAPES["llama3_1_8b"]  # section compiled's target: issue #62's goals are stated for 8B
 # What the sections import (transformers and its own dependencies, omegaconf, hydra-core, accelerate): tried after the
 # argument checks, so a machine that lacks a package says so in one line before any model is built.
 REQUIRED = ("transformers", "train.medusa1_cost", "inference.bench.engine_check", "inference.cli")
-BUNDLE_FILES = ("medusa1/config.json", "medusa1/drafter.safetensors", "base/config.json", "question.jsonl")
 JSON_NAME, REPORT_NAME = "gpu_check.json", "gpu_check.txt"
 
 
@@ -150,9 +154,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--recipe-shape", help=f"section recipes: one of {', '.join(RECIPE_SHAPES)} (default: llama3_1_8b "
                    "on a GPU, llama_1_7b on a CPU, small with --small)")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--smollm2", help="folder from --pack-smollm2, every part carried (section smollm2)")
     p.add_argument("--pack-tiny", metavar="DIR", help="copy what section tiny needs into DIR (a new folder) and exit")
     p.add_argument("--tiny-drafter", default="outputs/medusa1/tiny", help="with --pack-tiny: the medusa1 checkpoint")
-    p.add_argument("--questions", help="with --pack-tiny: MT-bench question.jsonl (default: ../shared/data/mt_bench)")
+    p.add_argument("--pack-smollm2", metavar="DIR", help="write section smollm2's parts into DIR (new) and exit")
+    p.add_argument("--smollm2-drafter", default="outputs/eagle3/smollm2-self-2ep",
+                   help="with --pack-smollm2: the EAGLE-3 checkpoint")
+    p.add_argument("--questions", help="with --pack-tiny: MT-bench question.jsonl (default: ../shared/data/mt_bench); "
+                   f"with --pack-smollm2: a file or prompt sets (default {SMOLLM2_QUESTIONS})")
     p.error = fail  # one line, exit status 2
     return p.parse_args(argv)
 
@@ -175,7 +184,7 @@ def check_device(text: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def check_args(args: argparse.Namespace) -> tuple[Path, torch.device, tuple[str, ...], Path | None]:
+def check_args(args: argparse.Namespace) -> tuple[Path, torch.device, tuple[str, ...], Path | None, Path | None]:
     """Everything that can be wrong with the command line or this machine, before any model is built: the cheap
     checks first, then the imports the sections need."""
     if args.out is None:
@@ -193,19 +202,22 @@ def check_args(args: argparse.Namespace) -> tuple[Path, torch.device, tuple[str,
     bundle = None
     if args.tiny is not None:
         bundle = Path(args.tiny)
-        missing = [f for f in BUNDLE_FILES if not (bundle / f).is_file()]
+        missing = [f for f in TINY_FILES if not (bundle / f).is_file()]
         if missing:
             fail(f"--tiny {bundle}: no {missing[0]} (make the bundle with --pack-tiny)")
+    smollm2 = None if args.smollm2 is None else Path(args.smollm2)
+    if smollm2 is not None and "smollm2" in sections and (missing := smollm2_missing(smollm2)) is not None:
+        fail(f"--smollm2 {smollm2}: {missing}")
     if args.recipe_shape is not None and args.recipe_shape not in RECIPE_SHAPES:
         fail(f"--recipe-shape {args.recipe_shape}: one of {', '.join(RECIPE_SHAPES)}")
     if args.threads is not None and args.threads < 1:
         fail(f"--threads must be >= 1, got {args.threads}")
-    for name in REQUIRED:
+    for name in REQUIRED + (("gguf",) if smollm2 is not None and "smollm2" in sections else ()):  # converts smollm2
         try:
             importlib.import_module(name)
         except ImportError as e:
             fail(f"cannot import {name} ({e}); scripts/gpu_check.md says which wheels to carry")
-    return out, device, sections, bundle
+    return out, device, sections, bundle, smollm2
 
 
 def nf4_unavailable() -> str | None:
@@ -215,43 +227,6 @@ def nf4_unavailable() -> str | None:
     except (ImportError, RuntimeError, OSError) as e:  # absent, or its native library does not load
         return f"bitsandbytes cannot be imported ({type(e).__name__}: {e})"
     return None
-
-
-def pack_tiny(drafter: Path, dest: Path, questions: Path) -> int:
-    """Copy the medusa1 checkpoint (its top-level files: not checkpoints/, the trainer state), its base model and the
-    question file into `dest` (medusa1/, base/, question.jsonl); returns the bytes copied."""
-    from models.checkpoint import read_drafter_config  # deferred: after the package checks
-    from models.refs import locate  # deferred: after the package checks
-
-    base = locate(read_drafter_config(drafter)["base_model_name_or_path"])
-    dest.mkdir()
-    for source, name in ((drafter, "medusa1"), (base, "base")):
-        (dest / name).mkdir()
-        for f in source.iterdir():
-            if f.is_file():
-                shutil.copy2(f, dest / name / f.name)
-    shutil.copy2(questions, dest / "question.jsonl")
-    return sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
-
-
-def run_pack(args: argparse.Namespace) -> int:
-    dest, drafter = Path(args.pack_tiny), Path(args.tiny_drafter)
-    if dest.exists():
-        fail(f"--pack-tiny {dest}: already exists (choose a new folder)")
-    if not dest.parent.is_dir():
-        fail(f"--pack-tiny {dest}: parent folder {dest.parent} does not exist")
-    if not (drafter / "config.json").is_file():
-        fail(f"--tiny-drafter {drafter}: no config.json (train it: python -m train medusa1 +model=tiny)")
-    questions = Path(args.questions) if args.questions else None
-    if questions is None:
-        from inference.bench.prompt_sets import default_questions  # deferred: after the package checks
-
-        questions = default_questions()
-    if not questions.is_file():
-        fail(f"--questions {questions}: not a file")
-    size = pack_tiny(drafter, dest, questions)
-    print(f"packed {size / 2**20:.1f} MiB into {dest}: carry it and pass --tiny {dest}")
-    return 0
 
 
 def random_target(plan: Plan, device: torch.device, seed: int) -> torch.nn.Module:
@@ -304,20 +279,6 @@ def engine_section(model: torch.nn.Module, plan: Plan, device: torch.device, see
     hi_dtype = torch.float32 if device.type == "cuda" else torch.float64
     setup = EngineSetup(prompts, plan.new_tokens, plan.tree_sizes, plan.context, plan.reps, hi_dtype, seed)
     return check_engine(model, lm_head_heads(model, plan.medusa_heads), setup, progress.say)
-
-
-def tiny_section(bundle: Path, out: Path, plan: Plan, device: torch.device) -> dict:
-    from inference.cli import main as inference_main  # deferred: after the package checks
-
-    argv = ["bench", "--drafter", str(bundle / "medusa1"), "--base", str(bundle / "base"), "--questions",
-            str(bundle / "question.jsonl"), "--dtype", "fp32", "--device", str(device), "--max-new-tokens",
-            str(plan.tiny_new_tokens), "--out", str(out / "tiny_bench")]
-    argv += [] if plan.tiny_limit is None else ["--limit", str(plan.tiny_limit)]
-    code = inference_main(argv)
-    if code != 0:
-        raise RuntimeError(f"python -m inference bench exited with status {code} (its error line is above)")
-    summary = json.loads((out / "tiny_bench" / "summary.json").read_text())
-    return {"command": "python -m inference " + " ".join(argv), "summary": summary}
 
 
 def run_section(name: str, results: dict, out: Path, progress: Progress, fn: Callable[[], dict]) -> None:
@@ -381,9 +342,13 @@ def meta(args: argparse.Namespace, plan: Plan, device: torch.device, sections: t
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.pack_tiny is not None:
-        return run_pack(args)
-    out, device, sections, bundle = check_args(args)
+    if args.pack_tiny is not None or args.pack_smollm2 is not None:
+        try:
+            print(pack(args))
+        except ValueError as e:  # one line naming the flag
+            fail(str(e))
+        return 0
+    out, device, sections, bundle, smollm2 = check_args(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     plan = SMALL if args.small else FULL
@@ -431,6 +396,11 @@ def main(argv: list[str]) -> int:
             results["tiny"] = {"skipped": "no --tiny bundle given (make one with --pack-tiny)"}
         else:
             run_section("tiny", results, out, progress, lambda: tiny_section(bundle, out, plan, device))
+    if "smollm2" in sections:
+        if smollm2 is None:
+            results["smollm2"] = {"skipped": "no --smollm2 bundle given (make one with --pack-smollm2)"}
+        else:
+            run_section("smollm2", results, out, progress, lambda: smollm2_section(smollm2, out, plan, device))
     if "recipes" in sections:
         default = "small" if args.small else "llama3_1_8b" if device.type == "cuda" else "llama_1_7b"
         shape = args.recipe_shape or default

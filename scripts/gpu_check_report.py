@@ -96,6 +96,21 @@ def tiny_lines(tiny: Any) -> list[str]:
             f"{_f(s['engine_efficiency'])}; greedy outputs identical: {check.get('identical')}"]
 
 
+def smollm2_lines(smollm2: Any) -> list[str]:
+    lines = unavailable("smollm2", smollm2)
+    if lines:
+        return lines
+    lines = ["smollm2 with the CPU recipe's EAGLE-3 drafter (bf16): tok/s of the drafter / our plain loop / HF "
+             "generate"]
+    for mode in ("eager", "compiled"):
+        s = smollm2[mode]["summary"]
+        m, check = s["methods"], s.get("greedy_check") or {}
+        lines.append(f"  {mode:9}{s['tokens_per_s']:8.1f} / {m['ar']['tokens_per_s']:7.1f} / "
+                     f"{m['hf']['tokens_per_s']:7.1f}   tau {s['tau']:.2f}, {_f(s['speedup_vs_ar'])}x our loop, "
+                     f"{_f(s['speedup_vs_hf'])}x HF; lossless (no real mismatch): {check.get('lossless')}")
+    return lines
+
+
 def compiled_lines(compiled: Any) -> list[str]:
     lines = unavailable("compiled", compiled)
     if lines:
@@ -147,7 +162,8 @@ def format_report(results: dict[str, Any]) -> str:
     return "\n".join([head, *bad, *train_lines(results.get("train"), results.get("nf4")),
                       *engine_lines(results.get("engine")), *compiled_lines(results.get("compiled")),
                       *drafter_lines(results.get("drafters")),
-                      *tiny_lines(results.get("tiny")), *recipe_lines(results.get("recipes"))])
+                      *tiny_lines(results.get("tiny")), *smollm2_lines(results.get("smollm2")),
+                      *recipe_lines(results.get("recipes"))])
 
 
 if __name__ == "__main__":
