@@ -5,8 +5,8 @@ weight bytes / memory bandwidth. The bandwidth is measured the way a step uses m
 fp32 sums over a buffer far larger than any cache, allocated and touched beforehand so that no page fault is timed.
 (A copy, STREAM's "copy", also counts the bytes written, whose cost depends on how the CPU allocates the lines it
 writes.) On a shared host either figure moves from one minute to the next (a 2-core VM: sums' best of five 24-40 GB/s
-within a minute), so a floor is measured beside the steps it judges: scripts/step_cost.py measures it after every
-curve and prints its spread.
+within a minute), so a floor is measured beside the steps it judges: scripts/step_cost.py reads it before and after
+every curve and prints its spread.
 """
 
 from __future__ import annotations
