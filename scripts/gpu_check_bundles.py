@@ -83,7 +83,7 @@ def pack_tiny(drafter: Path, dest: Path, questions: Path) -> int:
             if f.is_file():
                 shutil.copy2(f, dest / name / f.name)
     shutil.copy2(questions, dest / "question.jsonl")
-    return sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    return folder_bytes(dest)
 
 
 def pack_smollm2(drafter: Path, gguf: Path, dest: Path, questions: list[dict[str, Any]],

@@ -93,16 +93,10 @@ def keep(result: dict[str, Any], out: Path | None) -> None:
 def random_llama(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
     """A frozen random Llama of `shape` (train.memory_model.Shape), built on `device`; no EOS id, so every method
     decodes the same number of tokens."""
-    from transformers import AutoModelForCausalLM, LlamaConfig  # deferred: after the package checks
+    from train.memory_measure import random_llama as build  # deferred: after the package checks
 
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                         bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
-                         initializer_range=0.02 if dtype == torch.bfloat16 else 0.2)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model = build(shape, dtype, device, seed, max_position_embeddings=4096, eos_token_id=None,
+                  tie_word_embeddings=False, initializer_range=0.02 if dtype == torch.bfloat16 else 0.2)
     return model.eval().requires_grad_(False)
 
 

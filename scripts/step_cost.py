@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return measure_step_cost(model, nodes, repeats=args.repeats, context=args.context, progress=progress,
                                  **MODES[mode])
 
+    nbytes = weight_bytes(model)
     rounds: dict[str, list[StepCost]] = {mode: [] for mode in modes}
     floors: dict[str, list[float]] = {mode: [] for mode in modes}  # ms: weight bytes / the reads around each curve
     for i in range(args.rounds if len(modes) > 1 else 1):
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {i + 1}, {mode}", file=sys.stderr, flush=True)
             before = read_bandwidth(device)
             rounds[mode].append(curve(mode))
-            floors[mode].append(weight_bytes(model) / ((before + read_bandwidth(device)) / 2) * 1e3)
+            floors[mode].append(nbytes / ((before + read_bandwidth(device)) / 2) * 1e3)
     costs = {mode: StepCost(tuple((k, statistics.median(c.ms(k) for c in curves)) for k in nodes))
              for mode, curves in rounds.items()}
     cost, others = costs[modes[0]], modes[1:]
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         say(row + "".join(f" {costs[m].ms(k):.1f} | {ms / costs[m].ms(k):.2f} |" for m in others))
     every = [f for mode in modes for f in floors[mode]]
     over = {m: statistics.median(c.ms(0) / f for c, f in zip(rounds[m], floors[m])) for m in modes}
-    say(f"\nmemory-bandwidth floor {statistics.median(every):.2f} ms a step ({weight_bytes(model) / 1e6:.0f} MB of "
+    say(f"\nmemory-bandwidth floor {statistics.median(every):.2f} ms a step ({nbytes / 1e6:.0f} MB of "
         f"weights / the read bandwidth measured before and after each curve; {min(every):.2f}-{max(every):.2f} ms over "
         f"{len(every)} curves); plain step " + ", ".join(f"{m} {over[m]:.2f}x" for m in modes)
         + " the floor (each curve against its own floor, the median of its mode's)")
@@ -173,9 +174,7 @@ def check_shape_args(args: argparse.Namespace) -> Shape:
 
 def random_target(shape: Shape, args: argparse.Namespace) -> torch.nn.Module:
     """A random Llama of `shape` in --dtype (bf16 by default) on --device, seeded by --seed."""
-    from transformers import AutoModelForCausalLM  # deferred: only --shape builds a model from a config
-
-    from train.memory_measure import llama_config  # deferred: imports the trainers' configs, for --shape only
+    from train.memory_measure import random_llama  # deferred: imports the trainers' configs, for --shape only
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -183,10 +182,7 @@ def random_target(shape: Shape, args: argparse.Namespace) -> torch.nn.Module:
     device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"building a random {shape.name} target, {shape.params() / 1e9:.2f}B params in {dtype}, on {device}",
           file=sys.stderr, flush=True)
-    torch.manual_seed(args.seed)
-    with device:
-        model = AutoModelForCausalLM.from_config(llama_config(shape), dtype=dtype, attn_implementation="sdpa")
-    return model.eval().requires_grad_(False)
+    return random_llama(shape, dtype, device, args.seed).eval().requires_grad_(False)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -43,14 +44,28 @@ class Measurement:
         return (self.predicted - self.measured) / self.measured
 
 
-def llama_config(shape: Shape):
+def llama_config(shape: Shape, **overrides: Any):
+    """A LlamaConfig of `shape`; `overrides` replace any of its fields."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                       num_key_value_heads=shape.kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=shape.tied,
-                       attention_bias=shape.qkv_bias)  # Qwen2's q, k, v biases (and here o's: d more)
+    fields = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                  max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  tie_word_embeddings=shape.tied,
+                  attention_bias=shape.qkv_bias)  # Qwen2's q, k, v biases (and here o's: d more)
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def random_llama(shape: Shape, dtype: torch.dtype, device: torch.device | str, seed: int,
+                 **overrides: Any) -> torch.nn.Module:
+    """A Llama of `shape` (llama_config with `overrides`) initialised from `seed` directly on `device` (no CPU copy
+    of a 7B target's weights), sdpa attention; trainable, as built."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(llama_config(shape, **overrides), dtype=dtype,
+                                                attn_implementation="sdpa")
 
 
 def method_config(setup: TrainSetup, model_path: str) -> DictConfig:
@@ -146,8 +161,6 @@ def cllm_batch(shape: Shape, setup: TrainSetup, device: torch.device, seed: int)
 def measure(shape: Shape, setup: TrainSetup, device: str = "cpu", seed: int = 0, steps: int = 2) -> Measurement:
     """Build a random target of `shape` in the setup's dtype and the method's trained module; run `steps` steps;
     return the measured peak next to the prediction (foreach set as torch picks it on this device)."""
-    from transformers import AutoModelForCausalLM
-
     if setup.method not in MEASURED_METHODS:
         raise ValueError(f"measure: {setup.method} is not measured here (one of {', '.join(MEASURED_METHODS)})")
     if setup.method == "cllm" and setup.ar_loss == "kl" and setup.backbone == "full":
@@ -166,9 +179,7 @@ def measure(shape: Shape, setup: TrainSetup, device: str = "cpu", seed: int = 0,
         else:
             from train.cllm import Method  # deferred: only the measured method's trainer
         method = Method(cfg)
-    torch.manual_seed(seed)
-    with dev:
-        target = AutoModelForCausalLM.from_config(config, dtype=DTYPES[setup.target_bytes], attn_implementation="sdpa")
+    target = random_llama(shape, DTYPES[setup.target_bytes], dev, seed)
     model = method.build(target, tokenizer=None).to(dev)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=setup.foreach)
