@@ -14,6 +14,13 @@ bandwidth); then torch's argmax against the engine's `greedy_argmax` on K rows o
 in fp32 where the kernel takes fp32 (`--dtype fp32`). Outputs agree with stock to bf16 (fp32) rounding
 (tests/test_cpu_kernels.py, tests/test_cpu_kernels_fp32.py; the attention path and the argmax are bit-identical,
 tests/test_attention.py): this script only times.
+
+--stream times the one-row bf16 product alone, no model: for each ROWSxWIDTH matrix, copies of it filling --stream-mb
+(so none stays in cache) through the kernel and through stock `F.linear`, beside a read of memory (fp32 sums over
+512 MB, inference.bench.bandwidth.read_bandwidth), alternating --rounds times; medians in GB/s of weights streamed,
+and the kernel's share of the read:
+
+    python scripts/bench_cpu_kernel.py --stream 576x576,192x576,1536x576,576x1536,4096x4096,14336x4096
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,6 +54,43 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def parse_matrices(text: str) -> list[tuple[int, int]]:
+    """"576x576,192x576" -> [(576, 576), (192, 576)] (rows x width); UsageError naming the flag otherwise."""
+    try:
+        matrices = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        matrices = []
+    if not matrices or any(len(m) != 2 or min(m) < 1 for m in matrices):
+        raise UsageError(f"--stream: comma-separated ROWSxWIDTH matrices (e.g. 576x576,4096x14336), got {text!r}")
+    return matrices
+
+
+STREAM_HEADER = ("| matrix (rows x width) | copies | kernel GB/s | stock GB/s | read GB/s | kernel / read |\n"
+                 "| --- | ---: | ---: | ---: | ---: | ---: |")
+
+
+def stream_rows(matrices: list[tuple[int, int]], total_bytes: int, rounds: int) -> Iterator[str]:
+    """--stream's table rows (module docstring), one per matrix as it is measured."""
+    def seconds(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    for rows, width in matrices:
+        copies = max(1, total_bytes // (rows * width * 2))
+        weights = [torch.randn(rows, width).to(torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, width).to(torch.bfloat16)
+        nbytes = copies * rows * width * 2
+        rates: dict[str, list[float]] = {"kernel": [], "stock": [], "read": []}
+        for _ in range(rounds):
+            rates["kernel"].append(nbytes / seconds(lambda: [cpu_linear.linear(x, w) for w in weights]))
+            rates["stock"].append(nbytes / seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights]))
+            rates["read"].append(read_bandwidth("cpu", repeats=3))
+        gb = {name: statistics.median(values) / 1e9 for name, values in rates.items()}
+        yield (f"| {rows}x{width} | {copies} | {gb['kernel']:.1f} | {gb['stock']:.1f} | {gb['read']:.1f} | "
+               f"{gb['kernel'] / gb['read']:.2f} |")
+
+
 def timed_median(fn, reps: int) -> float:
     fn()  # warm-up
     seconds = []
@@ -63,11 +108,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256, help="cached tokens before the tree (default 256)")
     p.add_argument("--reps", type=int, default=5, help="timed forwards per K per round (median; default 5)")
     p.add_argument("--rounds", type=int, default=3, help="stock/kernel alternations (default 3)")
+    p.add_argument("--stream", metavar="ROWSxWIDTH,...", help="time the one-row bf16 product on these matrices alone, "
+                   "against a read of memory (no model)")
+    p.add_argument("--stream-mb", type=int, default=1200, help="with --stream: MB of copies of each matrix (default "
+                   "1200: more than any cache)")
     return p
+
+
+def stream_main(args: argparse.Namespace) -> int:
+    try:
+        matrices = parse_matrices(args.stream)
+        if args.stream_mb < 1 or args.rounds < 1 or (args.threads is not None and args.threads < 1):
+            raise UsageError("--stream-mb, --rounds and --threads must be >= 1")
+        if cpu_linear.load_kernel() is None:
+            raise UsageError("the kernel is not available here (it needs an x86 CPU with AVX2 + FMA and a C++ "
+                             "compiler; see python scripts/cpu_report.py)")
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"cpu: {cpu_name() or 'unknown'} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} "
+          f"threads; one bf16 input row; medians of {args.rounds} rounds", flush=True)
+    print(STREAM_HEADER, flush=True)
+    for line in stream_rows(matrices, args.stream_mb * 10**6, args.rounds):
+        print(line, flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.stream is not None:
+        return stream_main(args)
     try:
         sizes = parse_sizes(args.sizes)
         if args.context < 1 or args.reps < 1 or args.rounds < 1:

@@ -4,6 +4,7 @@ and its benchmark script. The fp32 blocks and route (AVX2) are in tests/test_cpu
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -348,3 +349,21 @@ def test_kernel_benchmark_refuses_a_bad_flag_from_the_command_line():
                              "no/such-model", "--sizes", "4,2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "--sizes: increasing" in result.stderr
+
+
+@needs_kernel
+def test_the_stream_table_gives_each_matrix_its_rates_and_refuses_bad_matrices(capsys):
+    """--stream: a row per matrix, in the order given, with its copies (filling --stream-mb) and finite rates, the
+    kernel's share of the read being kernel / read; a malformed list is one line and exit 2 before anything runs."""
+    script = load_script("bench_cpu_kernel")
+    assert exit_code(script, ["--stream", "64x128,96x64", "--stream-mb", "1", "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+x\d+ \|", line)]
+    assert [r.split(" | ")[0] for r in rows] == ["| 64x128", "| 96x64"]
+    for row, (n, k) in zip(rows, ((64, 128), (96, 64))):
+        _, copies, kernel, stock, read, share = [cell.strip() for cell in row.strip("|").split("|")]
+        assert int(copies) == 10**6 // (n * k * 2) and min(float(kernel), float(stock), float(read)) > 0
+        assert float(share) == pytest.approx(float(kernel) / float(read), abs=0.01 + 0.1 / float(read))  # of rounded cells
+    for flags in (["--stream", "64x"], ["--stream", "64x0"], ["--stream", "64x64", "--stream-mb", "0"]):
+        assert exit_code(script, flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --stream") and err.count("\n") == 1, err
