@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -29,6 +29,7 @@ PART_BYTES = 58 * 2**20  # + the working tree (~3 MiB) stays under a call's 64 M
 SMOLLM2_QUESTIONS = "mt_bench:8:spread,gsm8k:4:spread,humaneval:4:spread"  # the README table's (conf/bench)
 MANIFEST = "smollm2.json"
 DRAFTER_FILES = ("config.json", "drafter.safetensors", "chat_template.jinja")  # what loading an EAGLE-3 drafter reads
+T = TypeVar("T")
 CACHE_SLOTS = 1024  # --compile: one cache size for every question, so each shape compiles once
 
 
@@ -53,7 +54,7 @@ def pack(args: Any) -> str:
         questions = Path(args.questions) if args.questions else default_questions()
         if not questions.is_file():
             raise ValueError(f"--questions {questions}: not a file")
-        size = pack_tiny(drafter, dest, questions)
+        size = whole(dest, lambda out: pack_tiny(drafter, out, questions))
         return f"packed {size / 2**20:.1f} MiB into {dest}: carry it and pass --tiny {dest}"
     drafter = Path(args.smollm2_drafter)
     if not (drafter / "drafter.safetensors").is_file():
@@ -64,9 +65,21 @@ def pack(args: Any) -> str:
     except (UsageError, SourceUnavailable) as e:
         raise ValueError(str(e)) from None
     records = [{"question_id": q.question_id, "category": q.category, "turns": list(q.turns)} for q in chosen]
-    sizes = pack_smollm2(drafter, gguf, dest, records)
+    sizes = whole(dest, lambda out: pack_smollm2(drafter, gguf, out, records))
     parts = ", ".join(f"part{i + 1} {b / 2**20:.1f} MiB" for i, b in enumerate(sizes))
     return f"packed {dest} ({parts}): carry one part a call, the machine still warm, then pass --smollm2 {dest}"
+
+
+def whole(dest: Path, write: Callable[[Path], T]) -> T:
+    """write(folder) into a scratch folder beside `dest`, renamed to `dest` once it is done: a pack that fails
+    leaves nothing behind."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        result = write(scratch / dest.name)
+        (scratch / dest.name).rename(dest)
+        return result
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def pack_tiny(drafter: Path, dest: Path, questions: Path) -> int:
@@ -90,7 +103,7 @@ def pack_smollm2(drafter: Path, gguf: Path, dest: Path, questions: list[dict[str
                  part_bytes: int = PART_BYTES) -> list[int]:
     """Write the parts (module docstring) into `dest`, a new folder, `questions` as question.jsonl records; returns
     each part's bytes."""
-    from safetensors import safe_open  # deferred: after the package checks
+    from safetensors import SafetensorError, safe_open  # deferred: after the package checks
     from safetensors.torch import load_file, save_file  # deferred: after the package checks
 
     dest.mkdir()
@@ -98,9 +111,12 @@ def pack_smollm2(drafter: Path, gguf: Path, dest: Path, questions: list[dict[str
     (first / "drafter").mkdir(parents=True)
     for name in DRAFTER_FILES:
         if name == "drafter.safetensors":
-            with safe_open(str(drafter / name), framework="pt") as f:
-                metadata = f.metadata()
-            state = load_file(str(drafter / name))
+            try:
+                with safe_open(str(drafter / name), framework="pt") as f:
+                    metadata = f.metadata()
+                state = load_file(str(drafter / name))
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{drafter / name}: unreadable safetensors ({e})") from None
             save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
                       str(first / "drafter" / name), metadata=metadata)
         elif (drafter / name).is_file():

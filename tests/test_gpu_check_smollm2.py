@@ -5,6 +5,7 @@ benches an EAGLE-3 drafter on what travelled, eager and compiled, on the CPU."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,16 @@ def test_pack_refuses_a_drafter_larger_than_a_part_and_the_check_an_incomplete_b
                                                                                          tmp_path):
     bundles = load_script("gpu_check_bundles")
     with pytest.raises(ValueError, match="over a part's"):
-        bundles.pack_smollm2(drafter, source[1], tmp_path / "small", QUESTIONS, part_bytes=4096)
+        bundles.whole(tmp_path / "small", lambda out: bundles.pack_smollm2(drafter, source[1], out, QUESTIONS,
+                                                                           part_bytes=4096))
+    assert list(tmp_path.iterdir()) == [drafter]  # a pack that fails leaves nothing behind
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "drafter.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="drafter.safetensors: unreadable safetensors"):
+        bundles.whole(tmp_path / "never", lambda out: bundles.pack_smollm2(broken, source[1], out, QUESTIONS))
+    shutil.rmtree(broken)
+    assert list(tmp_path.iterdir()) == [drafter]
     bundles.pack_smollm2(drafter, source[1], tmp_path / "bundle", QUESTIONS, part_bytes=256 * 1024)
     (tmp_path / "bundle" / "part2" / "gguf.001").unlink()
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--small",
